@@ -1,0 +1,186 @@
+"""Derived values and cross-checks, in one place.
+
+Each failed check names the values that disagree and the file:line each came from; all failures
+are reported together so one edit-validate cycle fixes them all.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from launcher.config.resolve import Config, Derived
+from launcher.config.schema import PORT_KEYS, SCHEMA
+from launcher.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    n_layers: int
+    n_experts: int
+    n_heads: int
+    o_groups: int
+
+
+def model_facts(cfg: Config) -> ModelFacts:
+    # dsv4.config is plain dataclasses (no torch), so this stays a sub-second import.
+    from dsv4.config import ModelConfig
+
+    try:
+        m = ModelConfig.preset(cfg["PRESET_MODEL"]).with_overrides(*cfg["PRESET_MODEL_OVERRIDES"])
+    except (KeyError, ValueError, TypeError) as e:
+        where = cfg.origin("PRESET_MODEL").where
+        raise ConfigError(f"{where}: model {cfg['PRESET_MODEL']!r} with overrides "
+                          f"{' '.join(cfg['PRESET_MODEL_OVERRIDES']) or '(none)'}: {e}",
+                          fix="PRESET_MODEL is one of tiny, 4layer, flash, pro; overrides are field=value") from None
+    return ModelFacts(m.n_layers, m.n_routed_experts, m.n_heads, m.o_groups)
+
+
+def at(cfg: Config, key: str) -> str:
+    """`KEY=value (file:line)` for error messages."""
+    return f"{key}={cfg.shown(key)} ({cfg.origin(key).where})"
+
+
+def derive_and_check(cfg: Config) -> None:
+    v, d, errors = cfg.values, cfg.derived, []
+
+    # -- topology ---------------------------------------------------------------------------------
+    if len(cfg.nodes) != v["V4_NUM_NODES"]:
+        errors.append(f"{at(cfg, 'V4_NUM_NODES')} but V4_MASTER_IP + V4_WORKER_IPS name "
+                      f"{len(cfg.nodes)} node(s) ({cfg.origin('V4_WORKER_IPS').where})")
+    job_nodes = v["PRESET_NUM_NODES"] or v["V4_NUM_NODES"]
+    if job_nodes > v["V4_NUM_NODES"]:
+        errors.append(f"{at(cfg, 'PRESET_NUM_NODES')} exceeds the cluster's {at(cfg, 'V4_NUM_NODES')}")
+    world = job_nodes * v["V4_NUM_GPUS_PER_NODE"]
+    d["JOB_NUM_NODES"] = Derived(job_nodes, "PRESET_NUM_NODES or V4_NUM_NODES")
+    d["WORLD_SIZE"] = Derived(world, "JOB_NUM_NODES * V4_NUM_GPUS_PER_NODE")
+    d["NODES"] = Derived(cfg.nodes, "V4_MASTER_IP + V4_WORKER_IPS")
+
+    tp, pp, cp, ep = v["PRESET_TP"], v["PRESET_PP"], v["PRESET_CP"], v["PRESET_EP"]
+    for key in ("PRESET_TP", "PRESET_PP", "PRESET_CP", "PRESET_EP", "PRESET_ETP", "V4_NUM_NODES",
+                "V4_NUM_GPUS_PER_NODE", "PRESET_GLOBAL_BATCH_SIZE", "PRESET_MICRO_BATCH_SIZE"):
+        if v[key] < 1:
+            errors.append(f"{at(cfg, key)} must be >= 1")
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    model_parallel = tp * pp * cp
+    if world % model_parallel:
+        errors.append(f"TP*PP*CP = {model_parallel} does not divide the world size {world} "
+                      f"(= {job_nodes} nodes x {at(cfg, 'V4_NUM_GPUS_PER_NODE')}); "
+                      f"{at(cfg, 'PRESET_TP')}, {at(cfg, 'PRESET_PP')}, {at(cfg, 'PRESET_CP')}")
+        dp = 0
+    else:
+        dp = world // model_parallel
+    d["DP"] = Derived(dp, "WORLD_SIZE / (TP * PP * CP)")
+
+    # -- model-dependent checks -------------------------------------------------------------------
+    m = model_facts(cfg)
+    d["MODEL_LAYERS"] = Derived(m.n_layers, f"dsv4 preset {v['PRESET_MODEL']} + overrides")
+    d["MODEL_EXPERTS"] = Derived(m.n_experts, f"dsv4 preset {v['PRESET_MODEL']} + overrides")
+    if m.n_experts % ep:
+        errors.append(f"{at(cfg, 'PRESET_EP')} does not divide the model's {m.n_experts} routed experts "
+                      f"({at(cfg, 'PRESET_MODEL')})")
+    if dp and (dp * tp) % ep:
+        errors.append(f"{at(cfg, 'PRESET_EP')} does not divide DP*TP = {dp}*{tp} = {dp * tp}")
+    if m.n_heads % tp or m.o_groups % tp:
+        errors.append(f"{at(cfg, 'PRESET_TP')} must divide the model's {m.n_heads} heads and "
+                      f"{m.o_groups} output groups ({at(cfg, 'PRESET_MODEL')})")
+    try:
+        stages = pipeline_split(m.n_layers, pp, v["PRESET_PP_FIRST_LAYERS"], v["PRESET_PP_LAST_LAYERS"],
+                                v["PRESET_PP_LAYOUT"])
+        d["PP_STAGE_LAYERS"] = Derived(stages, "pipeline split of MODEL_LAYERS over PP stages")
+    except ValueError as e:
+        keys = ("PRESET_PP_LAYOUT",) if v["PRESET_PP_LAYOUT"] else ("PRESET_PP_FIRST_LAYERS", "PRESET_PP_LAST_LAYERS")
+        errors.append(f"pipeline split: {e}; {', '.join(at(cfg, k) for k in (*keys, 'PRESET_PP'))}, "
+                      f"model layers {m.n_layers} ({at(cfg, 'PRESET_MODEL')})")
+
+    # -- batch and token budget -------------------------------------------------------------------
+    if dp and v["PRESET_GLOBAL_BATCH_SIZE"] % (v["PRESET_MICRO_BATCH_SIZE"] * dp):
+        errors.append(f"{at(cfg, 'PRESET_GLOBAL_BATCH_SIZE')} is not a multiple of "
+                      f"MICRO_BATCH_SIZE*DP = {v['PRESET_MICRO_BATCH_SIZE']}*{dp}")
+    tokens_per_gpu = v["PRESET_SEQ_LEN"] * v["PRESET_MICRO_BATCH_SIZE"] // cp
+    d["TOKENS_PER_GPU"] = Derived(tokens_per_gpu, "SEQ_LEN * MICRO_BATCH_SIZE / CP")
+    if tokens_per_gpu > v["HW_MAX_TOKENS_PER_GPU"]:
+        errors.append(f"{tokens_per_gpu} tokens per GPU (SEQ_LEN*MICRO_BATCH_SIZE/CP) exceed "
+                      f"{at(cfg, 'HW_MAX_TOKENS_PER_GPU')}; {at(cfg, 'PRESET_SEQ_LEN')}, {at(cfg, 'PRESET_CP')}")
+    if d["DP"].value:
+        d["GRAD_ACCUM_STEPS"] = Derived(v["PRESET_GLOBAL_BATCH_SIZE"] // (v["PRESET_MICRO_BATCH_SIZE"] * dp),
+                                        "GLOBAL_BATCH_SIZE / (MICRO_BATCH_SIZE * DP)")
+
+    # -- device and kernels -----------------------------------------------------------------------
+    impl = v["PRESET_ATTN_IMPL"]
+    if impl == "auto":
+        impl = "tilelang" if v["HW_DEVICE"] == "cuda" else "torch"
+    d["ATTN_IMPL"] = Derived(impl, "PRESET_ATTN_IMPL (auto: tilelang on cuda, torch on cpu)")
+    if impl == "tilelang" and v["HW_DEVICE"] != "cuda":
+        errors.append(f"{at(cfg, 'PRESET_ATTN_IMPL')} needs a GPU but {at(cfg, 'HW_DEVICE')}")
+    if v["HW_DIST_BACKEND"] == "nccl" and v["HW_DEVICE"] != "cuda":
+        errors.append(f"{at(cfg, 'HW_DIST_BACKEND')} needs {at(cfg, 'HW_DEVICE')} to be cuda")
+
+    # -- ports and paths --------------------------------------------------------------------------
+    seen: dict[int, str] = {}
+    for key in PORT_KEYS:
+        port = v[key]
+        if not port:
+            continue
+        if not 0 < port < 65536:
+            errors.append(f"{at(cfg, key)} is not a valid port")
+        elif port in seen:
+            errors.append(f"{at(cfg, key)} collides with {at(cfg, seen[port])}")
+        else:
+            seen[port] = key
+    for key, spec in SCHEMA.items():
+        if spec.type == "path" and v[key] and not v[key].startswith("/"):
+            errors.append(f"{at(cfg, key)} must be an absolute path (nodes resolve relative paths differently)")
+    if v["V4_TRANSPORT"] == "local" and v["V4_NUM_NODES"] != 1:
+        errors.append(f"{at(cfg, 'V4_TRANSPORT')} runs on this machine only, but {at(cfg, 'V4_NUM_NODES')}")
+
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors),
+                          fix="change the values above (or override them with --set KEY=VALUE), "
+                              "then `v4 config validate`")
+
+
+LAYOUT_REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)")
+
+
+def pipeline_split(n_layers: int, pp: int, first: int, last: int, layout: str) -> list[int]:
+    """Transformer layers per pipeline stage; raises ValueError naming what does not add up."""
+    if layout:
+        # megatron layout: '|' separates stages, 't' is a layer, 'E'/'L' embedding/loss,
+        # '(x)*n' repeats, ',' is only visual grouping.
+        text = layout.replace(",", "")
+        while LAYOUT_REPEAT.search(text):
+            text = LAYOUT_REPEAT.sub(lambda m: m.group(1) * int(m.group(2)), text)
+        if set(text) - set("tEL|m"):
+            raise ValueError(f"layout {layout!r} has characters other than t E L m | ( ) * digits")
+        stages = [s.count("t") for s in text.split("|")]
+        if len(stages) % pp:
+            raise ValueError(f"layout has {len(stages)} stages, not a multiple of PP={pp}")
+        if sum(stages) != n_layers:
+            raise ValueError(f"layout places {sum(stages)} layers, the model has {n_layers}")
+        return stages
+    if pp == 1:
+        return [n_layers]
+    if not first and not last:
+        if n_layers % pp:
+            raise ValueError(f"{n_layers} layers do not split evenly over PP={pp}; set first/last layer counts")
+        return [n_layers // pp] * pp
+    first = first or None
+    last = last or None
+    middle_stages = pp - 2
+    rest = n_layers - (first or 0) - (last or 0)
+    if first is None or last is None:
+        # one end given: the other stages share the rest evenly
+        others = pp - 1
+        if rest % others:
+            raise ValueError(f"{rest} remaining layers do not split evenly over {others} stages")
+        per = rest // others
+        return [first or per] + [per] * middle_stages + [last or per]
+    if middle_stages == 0:
+        if rest:
+            raise ValueError(f"first {first} + last {last} = {first + last} layers, the model has {n_layers}")
+        return [first, last]
+    if rest <= 0 or rest % middle_stages:
+        raise ValueError(f"first {first} + last {last} leave {rest} layers for {middle_stages} middle stages "
+                         f"(must be a positive multiple)")
+    return [first] + [rest // middle_stages] * middle_stages + [last]

@@ -1,0 +1,147 @@
+"""Every configuration key, declared once: type, default, usual layer, one-line doc.
+
+Prefixes follow the layer that normally sets a key: V4_* the cluster and base files, HW_* the
+hardware file, PRESET_* the workload preset. Any layer may set any key; the prefix is a convention
+that `v4 config show --explain` makes visible, not a restriction.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+SECRET_RE = re.compile(r"_(PASSWORD|TOKEN|KEY)$")
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    type: str               # str | int | float | bool | path | list | enum
+    default: str            # as it would be written in an env file ("" = unset)
+    layer: str              # cluster | base | hw | preset
+    doc: str
+    choices: tuple[str, ...] = field(default=())
+
+    @property
+    def secret(self) -> bool:
+        # A *_KEY that holds a file path names a secret, it is not one.
+        return bool(SECRET_RE.search(self.name)) and self.type != "path"
+
+
+def _k(name, type, default, layer, doc, choices=()):
+    return Key(name, type, str(default), layer, doc, tuple(choices))
+
+
+KEYS: list[Key] = [
+    # --- cluster identity and topology -----------------------------------------------------------
+    _k("V4_CLUSTER_NAME", "str", "local", "cluster", "name of the cluster (used for run ids and Ray namespaces)"),
+    _k("V4_GPU_MODEL", "str", "", "cluster", "hw layer this cluster's nodes use (selects hw/<name>.env when --hw auto)"),
+    _k("V4_TRANSPORT", "enum", "local", "cluster", "how nodes are reached: local subprocess or SSH", ("local", "ssh")),
+    _k("V4_MASTER_IP", "str", "127.0.0.1", "cluster", "address of the head node (Ray head, rank-0 rendezvous)"),
+    _k("V4_WORKER_IPS", "list", "", "cluster", "addresses of the worker nodes, space-separated"),
+    _k("V4_NUM_NODES", "int", 1, "cluster", "nodes in the cluster (head + workers)"),
+    _k("V4_NUM_GPUS_PER_NODE", "int", 1, "cluster", "training processes per node: GPUs, or gloo processes on hw=cpu"),
+    # --- SSH --------------------------------------------------------------------------------------
+    _k("V4_SSH_USER", "str", "root", "cluster", "SSH login user on every node"),
+    _k("V4_SSH_PORT", "int", 22, "cluster", "SSH port on every node"),
+    _k("V4_SSH_KEY", "path", "", "cluster", "private key file for SSH (empty: the agent / ~/.ssh defaults)"),
+    _k("V4_SSH_KNOWN_HOSTS", "path", "", "cluster", "known_hosts file host keys are checked against (empty: ~/.ssh/known_hosts)"),
+    _k("V4_SSH_ACCEPT_NEW_HOST_KEYS", "bool", 0, "cluster", "accept and record unknown host keys (never silent; off by default)"),
+    _k("V4_SSH_CONNECT_TIMEOUT", "float", 10, "cluster", "seconds to wait for an SSH connection"),
+    _k("V4_SSH_COMMAND_TIMEOUT", "float", 600, "cluster", "default seconds a remote command may run"),
+    _k("V4_SSH_RETRIES", "int", 3, "cluster", "connection attempts per node before it is reported unreachable"),
+    # --- software and storage --------------------------------------------------------------------
+    _k("V4_PYTHON", "str", "", "cluster", "Python interpreter on the nodes (empty: the launcher's own)"),
+    _k("V4_WORK", "path", "${V4_ROOT}/outputs", "cluster", "shared root visible at the same path on every node"),
+    _k("V4_LOCAL_DIR", "path", "/tmp/v4-{node_ip}", "cluster", "node-local scratch; {node_ip} is replaced per node"),
+    _k("V4_IMAGE", "str", "", "cluster", "container image (with V4_CONTAINER)"),
+    _k("V4_CONTAINER", "str", "", "cluster", "container name to run inside via docker exec (empty: no container)"),
+    _k("V4_DOCKER_MOUNTS", "list", "", "cluster", "bind mounts src:dst for the container, space-separated"),
+    _k("V4_CONTAINER_SHM_SIZE", "str", "200g", "cluster", "--shm-size of the container"),
+    _k("V4_HTTP_PROXY", "str", "", "cluster", "HTTP(S) proxy for the nodes (empty: none)"),
+    _k("V4_TZ", "str", "", "cluster", "time zone exported to jobs (empty: the node's)"),
+    _k("V4_REDIS_HOST", "str", "", "cluster", "external Redis for Ray GCS fault tolerance (empty: none)"),
+    _k("V4_REDIS_PORT", "int", 6379, "cluster", "port of the external Redis"),
+    _k("V4_REDIS_PASSWORD", "str", "", "cluster", "password of the external Redis (secret; redacted)"),
+    # --- ports and networking --------------------------------------------------------------------
+    _k("V4_RAY_PORT", "int", 6379, "cluster", "Ray GCS port on the head"),
+    _k("V4_DASHBOARD_PORT", "int", 8265, "cluster", "Ray dashboard / Jobs API port on the head"),
+    _k("V4_DIST_PORT", "int", 29500, "cluster", "torch.distributed rendezvous port (MASTER_PORT)"),
+    _k("V4_PROMETHEUS_PORT", "int", 0, "cluster", "Prometheus port (0: not used)"),
+    _k("V4_GRAFANA_PORT", "int", 0, "cluster", "Grafana port (0: not used)"),
+    _k("V4_RAY_NUM_CPUS", "str", "", "cluster", "CPUs each Ray node advertises (empty: detected)"),
+    _k("V4_RAY_READY_TIMEOUT", "float", 120, "cluster", "seconds to wait for every Ray node to register"),
+    _k("V4_SOCKET_IFNAME", "str", "auto", "cluster", "NCCL/Gloo socket interface (auto: the default-route interface)"),
+    _k("V4_EXPECT_IB", "bool", 0, "cluster", "InfiniBand devices must be present on every node"),
+    _k("V4_NCCL_IB_DISABLE", "bool", 0, "cluster", "set NCCL_IB_DISABLE=1 for jobs (hosts whose IB driver rejects memory registration)"),
+    # --- project paths (base.env derives them from V4_WORK) --------------------------------------
+    _k("V4_MODELS", "path", "${V4_WORK}/models", "base", "checkpoints root"),
+    _k("V4_DATA", "path", "${V4_WORK}/data", "base", "datasets root"),
+    _k("V4_OUT", "path", "${V4_WORK}/runs", "base", "run registry root: one directory per run"),
+    _k("V4_HF_DIR", "path", "", "base", "official-layout (FP8/FP4) checkpoint; generated when PRESET_WEIGHTS=generate"),
+    _k("V4_BF16_DIR", "path", "", "base", "dequantized BF16 HF checkpoint"),
+    _k("V4_TORCH_DIST", "path", "", "base", "Megatron distributed checkpoint converted for training"),
+    _k("V4_SFT_DATA", "path", "", "base", "normalized chat data (jsonl) the SFT job reads"),
+    _k("V4_HF_HOME", "path", "${V4_WORK}/.cache/huggingface", "base", "HF_HOME for jobs"),
+    # --- hardware ---------------------------------------------------------------------------------
+    _k("HW_DEVICE", "enum", "cpu", "hw", "device jobs train on", ("cpu", "cuda")),
+    _k("HW_DIST_BACKEND", "enum", "gloo", "hw", "torch.distributed backend", ("gloo", "nccl")),
+    _k("HW_GPU_NAME", "str", "", "hw", "substring the GPU's name must contain (preflight); empty on cpu"),
+    _k("HW_GPU_MEMORY_GB", "float", 0, "hw", "memory per GPU in GB (0 on cpu)"),
+    _k("HW_PEAK_TFLOPS", "float", 0, "hw", "dense bf16 peak per GPU, for MFU (0: not reported)"),
+    _k("HW_MAX_TOKENS_PER_GPU", "int", 4096, "hw", "token budget per GPU per micro-batch"),
+    _k("HW_RECOMPUTE_GRANULARITY", "enum", "none", "hw", "activation recomputation", ("none", "selective", "full")),
+    _k("HW_RECOMPUTE_METHOD", "enum", "", "hw", "with full recompute: uniform or block", ("", "uniform", "block")),
+    _k("HW_RECOMPUTE_NUM_LAYERS", "int", 0, "hw", "with full recompute: layers per recompute unit"),
+    _k("HW_FP8_ENABLED", "bool", 0, "hw", "FP8 GEMMs in training (the sparse-attention kernel stays BF16)"),
+    _k("HW_TILELANG_BLOCK_H", "int", 64, "hw", "TileLang sparse-attention head block"),
+    _k("HW_TILELANG_BLOCK_SIZE", "int", 64, "hw", "TileLang sparse-attention top-k block"),
+    _k("HW_NCCL_NVLS_ENABLE", "bool", 0, "hw", "NVLink SHARP (multicast) in NCCL; keep 0 where the host forbids it"),
+    _k("HW_PYTORCH_CUDA_ALLOC_CONF", "str", "expandable_segments:True", "hw", "PYTORCH_CUDA_ALLOC_CONF for jobs"),
+    _k("HW_SMOKE_MODEL", "str", "tiny", "hw", "model the smoke preset uses on this hardware"),
+    _k("HW_SMOKE_SEQ_LEN", "int", 128, "hw", "sequence length the smoke preset uses on this hardware"),
+    _k("HW_PEAK_MEM_BUDGET_GB", "float", 0, "hw", "dryrun gate: peak memory per GPU must stay under this (0: no gate)"),
+    _k("HW_STEP_TIME_BUDGET_S", "float", 0, "hw", "dryrun gate: steady-state step time must stay under this (0: no gate)"),
+    # --- workload preset --------------------------------------------------------------------------
+    _k("PRESET_STAGE", "str", "", "preset", "stage this preset is (smoke, dryrun, full, ...); gates the next stage"),
+    _k("PRESET_REQUIRES_STAGE", "str", "", "preset", "stage that must have passed for the same config first"),
+    _k("PRESET_RUN_ID_PREFIX", "str", "run", "preset", "prefix of run ids"),
+    _k("PRESET_MODE", "enum", "sft", "preset", "training mode", ("sft", "rl")),
+    _k("PRESET_MODEL", "str", "tiny", "preset", "dsv4 model preset: tiny, 4layer, flash, pro"),
+    _k("PRESET_MODEL_OVERRIDES", "list", "", "preset", "model field overrides, e.g. \"n_layers=2 n_routed_experts=16\""),
+    _k("PRESET_WEIGHTS", "enum", "generate", "preset", "generate a random official-layout checkpoint, or use V4_HF_DIR", ("generate", "hf")),
+    _k("PRESET_STEPS", "list", "prepare_data verify_template weights dequantize convert train", "preset", "pipeline steps in order"),
+    _k("PRESET_GATES", "list", "finite_loss", "preset", "gates checked after training"),
+    _k("PRESET_DATA", "path", "${V4_ROOT}/data/sft_smoke.jsonl", "preset", "chat data source (jsonl or parquet)"),
+    _k("PRESET_NUM_NODES", "int", 0, "preset", "nodes the job uses (0: all of the cluster)"),
+    _k("PRESET_NUM_STEPS", "int", 2, "preset", "optimizer steps"),
+    _k("PRESET_GLOBAL_BATCH_SIZE", "int", 8, "preset", "sequences per optimizer step"),
+    _k("PRESET_MICRO_BATCH_SIZE", "int", 1, "preset", "sequences per micro-batch"),
+    _k("PRESET_SEQ_LEN", "int", 4096, "preset", "tokens per sequence"),
+    _k("PRESET_SAVE_INTERVAL", "int", 1, "preset", "save a checkpoint every N steps"),
+    _k("PRESET_SAVE_RETAIN_INTERVAL", "int", 0, "preset", "keep checkpoints every N steps (0: keep the latest only)"),
+    _k("PRESET_TP", "int", 1, "preset", "tensor parallel size"),
+    _k("PRESET_PP", "int", 1, "preset", "pipeline parallel size"),
+    _k("PRESET_CP", "int", 1, "preset", "context parallel size"),
+    _k("PRESET_EP", "int", 1, "preset", "expert parallel size"),
+    _k("PRESET_ETP", "int", 1, "preset", "expert tensor parallel size"),
+    _k("PRESET_PP_FIRST_LAYERS", "int", 0, "preset", "layers on the first pipeline stage (0: even split)"),
+    _k("PRESET_PP_LAST_LAYERS", "int", 0, "preset", "layers on the last pipeline stage (0: even split)"),
+    _k("PRESET_PP_LAYOUT", "str", "", "preset", "megatron pipeline layout string, e.g. 'Ett|(tt|)*3,ttL' (overrides first/last)"),
+    _k("PRESET_ATTN_IMPL", "enum", "auto", "preset", "sparse attention implementation (auto: tilelang on cuda, torch on cpu)", ("auto", "tilelang", "torch")),
+    _k("PRESET_LR", "float", 5e-6, "preset", "peak learning rate"),
+    _k("PRESET_MIN_LR", "float", 0, "preset", "final learning rate of the decay"),
+    _k("PRESET_LR_DECAY_STYLE", "enum", "constant", "preset", "learning-rate schedule", ("constant", "cosine", "linear")),
+    _k("PRESET_LR_WARMUP_ITERS", "int", 0, "preset", "warm-up steps"),
+    _k("PRESET_WEIGHT_DECAY", "float", 0.1, "preset", "AdamW weight decay"),
+    _k("PRESET_SEED", "int", 1234, "preset", "seed for weights, data order and dropout"),
+    _k("PRESET_STRICT_PREFLIGHT", "bool", 0, "preset", "treat preflight WARN as FAIL"),
+    _k("PRESET_JOB_TIMEOUT", "float", 3600, "preset", "seconds a pipeline step may run before it is stopped"),
+]
+
+SCHEMA: dict[str, Key] = {k.name: k for k in KEYS}
+
+# Filled in by the loader, never by a file: the project checkout the launcher runs from.
+BUILTINS = ("V4_ROOT",)
+
+# Ports that must differ from one another (0 = unused).
+PORT_KEYS = ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT", "V4_GRAFANA_PORT")
