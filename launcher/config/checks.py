@@ -5,6 +5,7 @@ are reported together so one edit-validate cycle fixes them all.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -93,6 +94,18 @@ def derive_and_check(cfg: Config) -> None:
         errors.append(f"pipeline split: {e}; {', '.join(at(cfg, k) for k in (*keys, 'PRESET_PP'))}, "
                       f"model layers {m.n_layers} ({at(cfg, 'PRESET_MODEL')})")
 
+    # -- checkpoints: the real release (hf) or a generated one per model/overrides/seed -----------
+    if v["PRESET_WEIGHTS"] == "generate":
+        tag = model_tag(v["PRESET_MODEL"], v["PRESET_MODEL_OVERRIDES"], v["PRESET_SEED"])
+        base = f"{v['V4_MODELS']}/generated/{tag}"
+        dirs = (f"{base}/official", f"{base}/bf16", f"{base}/torch_dist")
+        formula = "V4_MODELS/generated/<model>-<overrides hash>-s<seed>/..."
+    else:
+        dirs = (v["V4_HF_DIR"], v["V4_BF16_DIR"], v["V4_TORCH_DIST"])
+        formula = "V4_HF_DIR / V4_BF16_DIR / V4_TORCH_DIST"
+    for key, path in zip(("CKPT_HF_DIR", "CKPT_BF16_DIR", "CKPT_TORCH_DIST"), dirs):
+        d[key] = Derived(path, formula)
+
     # -- batch and token budget -------------------------------------------------------------------
     if dp and v["PRESET_GLOBAL_BATCH_SIZE"] % (v["PRESET_MICRO_BATCH_SIZE"] * dp):
         errors.append(f"{at(cfg, 'PRESET_GLOBAL_BATCH_SIZE')} is not a multiple of "
@@ -138,6 +151,13 @@ def derive_and_check(cfg: Config) -> None:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors),
                           fix="change the values above (or override them with --set KEY=VALUE), "
                               "then `v4 config validate`")
+
+
+def model_tag(model: str, overrides: list[str], seed: int) -> str:
+    if not overrides:
+        return f"{model}-s{seed}"
+    digest = hashlib.sha256(" ".join(sorted(overrides)).encode()).hexdigest()[:8]
+    return f"{model}-{digest}-s{seed}"
 
 
 LAYOUT_REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)")

@@ -1,0 +1,145 @@
+"""What every job shares: its run's resolved config, its step directory, sentinels, metrics.
+
+A job runs as `python -m jobs.<name> --run-dir DIR`, alone or as a Ray job. DIR/config.json is
+written by the launcher before the first step: {"values": {KEY: value}} with derived values
+(WORLD_SIZE, DP, ATTN_IMPL, CKPT_*_DIR, ...) merged in. Jobs never re-resolve the layer files:
+the run directory is the single record of what the run was asked to do.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SENTINEL = ".v4-done.json"
+
+
+@dataclass
+class RunContext:
+    run_dir: Path
+    cfg: dict[str, Any]
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None, description: str = "") -> "RunContext":
+        ap = argparse.ArgumentParser(description=description)
+        ap.add_argument("--run-dir", required=True, type=Path, help="the run directory (holds config.json)")
+        args = ap.parse_args(argv)
+        return cls.load(args.run_dir)
+
+    @classmethod
+    def load(cls, run_dir: Path | str) -> "RunContext":
+        run_dir = Path(run_dir)
+        path = run_dir / "config.json"
+        if not path.is_file():
+            sys.exit(f"error: {path} not found: the launcher writes it before the first step "
+                     f"(run `v4 run ...`, or pass the directory of an existing run)")
+        cfg = json.loads(path.read_text())["values"]
+        ctx = cls(run_dir, cfg)
+        ctx._export_socket_ifname()
+        return ctx
+
+    def step_dir(self, name: str) -> Path:
+        d = self.run_dir / "steps" / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def write_metrics(self, row: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    @property
+    def paths(self) -> "Paths":
+        c = self.cfg
+        return Paths(hf_dir=Path(c["CKPT_HF_DIR"]), bf16_dir=Path(c["CKPT_BF16_DIR"]),
+                     torch_dist_dir=Path(c["CKPT_TORCH_DIST"]), data_source=Path(c["PRESET_DATA"]),
+                     sft_data=Path(c["V4_SFT_DATA"]), checkpoints=self.run_dir / "checkpoints")
+
+    def _export_socket_ifname(self) -> None:
+        # NCCL/Gloo must bind the interface that routes to the other nodes; hard-coding eth0 broke
+        # clusters whose default route is elsewhere (and Gloo then bound IPv6 loopback).
+        name = self.cfg.get("V4_SOCKET_IFNAME", "auto")
+        if name == "auto":
+            name = default_route_ifname()
+        if name:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+
+
+@dataclass(frozen=True)
+class Paths:
+    hf_dir: Path
+    bf16_dir: Path
+    torch_dist_dir: Path
+    data_source: Path
+    sft_data: Path
+    checkpoints: Path
+
+
+def default_route_ifname() -> str | None:
+    try:
+        for line in Path("/proc/net/route").read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 2 and fields[1] == "00000000":
+                return fields[0]
+    except OSError:
+        pass
+    return None
+
+
+# --- sentinels: a finished artifact records what it was made from -------------------------------
+
+def sentinel_path(artifact: Path) -> Path:
+    artifact = Path(artifact)
+    return artifact / SENTINEL if artifact.is_dir() or not artifact.suffix else artifact.with_name(artifact.name + SENTINEL)
+
+
+def done(artifact: Path, inputs: dict | None = None) -> bool:
+    """True when the artifact is complete and was made from the same inputs."""
+    p = sentinel_path(artifact)
+    if not p.is_file():
+        return False
+    if inputs is None:
+        return True
+    return json.loads(p.read_text()).get("inputs") == _jsonable(inputs)
+
+
+def mark_done(artifact: Path, inputs: dict | None = None, **info) -> None:
+    p = sentinel_path(artifact)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps({"inputs": _jsonable(inputs or {}), "finished": time.time(), **info}, indent=2))
+    tmp.replace(p)
+
+
+def fingerprint(path: Path) -> str:
+    """Content hash of a file (or of a directory's file names, sizes and mtimes)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    if path.is_file():
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    elif path.is_dir():
+        for p in sorted(path.rglob("*")):
+            if p.is_file() and p.name != SENTINEL:
+                st = p.stat()
+                h.update(f"{p.relative_to(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def _jsonable(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=str))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
