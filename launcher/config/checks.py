@@ -63,6 +63,12 @@ def derive_and_check(cfg: Config) -> None:
             errors.append(f"{at(cfg, key)} must be >= 1")
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    if not cfg.selection.preset:
+        # Without a workload only the cluster and hardware layers can disagree.
+        _check_ports_paths(cfg, errors)
+        if errors:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+        return
     model_parallel = tp * pp * cp
     if world % model_parallel:
         errors.append(f"TP*PP*CP = {model_parallel} does not divide the world size {world} "
@@ -129,7 +135,15 @@ def derive_and_check(cfg: Config) -> None:
     if v["HW_DIST_BACKEND"] == "nccl" and v["HW_DEVICE"] != "cuda":
         errors.append(f"{at(cfg, 'HW_DIST_BACKEND')} needs {at(cfg, 'HW_DEVICE')} to be cuda")
 
-    # -- ports and paths --------------------------------------------------------------------------
+    _check_ports_paths(cfg, errors)
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors),
+                          fix="change the values above (or override them with --set KEY=VALUE), "
+                              "then `v4 config validate`")
+
+
+def _check_ports_paths(cfg: Config, errors: list[str]) -> None:
+    v = cfg.values
     seen: dict[int, str] = {}
     for key in PORT_KEYS:
         port = v[key]
@@ -146,11 +160,6 @@ def derive_and_check(cfg: Config) -> None:
             errors.append(f"{at(cfg, key)} must be an absolute path (nodes resolve relative paths differently)")
     if v["V4_TRANSPORT"] == "local" and v["V4_NUM_NODES"] != 1:
         errors.append(f"{at(cfg, 'V4_TRANSPORT')} runs on this machine only, but {at(cfg, 'V4_NUM_NODES')}")
-
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors),
-                          fix="change the values above (or override them with --set KEY=VALUE), "
-                              "then `v4 config validate`")
 
 
 def model_tag(model: str, overrides: list[str], seed: int) -> str:

@@ -109,7 +109,7 @@ KEYS: list[Key] = [
     _k("PRESET_MODEL", "str", "tiny", "preset", "dsv4 model preset: tiny, 4layer, flash, pro"),
     _k("PRESET_MODEL_OVERRIDES", "list", "", "preset", "model field overrides, e.g. \"n_layers=2 n_routed_experts=16\""),
     _k("PRESET_WEIGHTS", "enum", "generate", "preset", "generate a random official-layout checkpoint, or use V4_HF_DIR", ("generate", "hf")),
-    _k("PRESET_STEPS", "list", "prepare_data verify_template weights dequantize convert train", "preset", "pipeline steps in order"),
+    _k("PRESET_STEPS", "list", "weights prepare_data verify_template dequantize convert train", "preset", "pipeline steps in order"),
     _k("PRESET_GATES", "list", "finite_loss", "preset", "gates checked after training"),
     _k("PRESET_DATA", "path", "${V4_ROOT}/data/sft_smoke.jsonl", "preset", "chat data source (jsonl or parquet)"),
     _k("PRESET_NUM_NODES", "int", 0, "preset", "nodes the job uses (0: all of the cluster)"),

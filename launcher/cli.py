@@ -1,0 +1,74 @@
+"""`v4`: the command line. Subcommands load lazily so `v4 config show` never pays for ray/torch."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from launcher.errors import EXIT_CODES, V4Error
+
+# name -> "module:attribute" of a click command or group
+COMMANDS = {
+    "run": "launcher.commands.run:run",
+    "config": "launcher.commands.config:config",
+    "preflight": "launcher.commands.preflight:preflight",
+    "cluster": "launcher.commands.cluster:cluster",
+    "runs": "launcher.commands.runs:runs",
+    "ckpt": "launcher.commands.ckpt:ckpt",
+    "bench": "launcher.commands.bench:bench",
+    "nan": "launcher.commands.nan:nan",
+    "completion": "launcher.cli:completion",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name):
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+EPILOG = "Exit codes: " + ", ".join(f"{c} {w}" for c, w in EXIT_CODES.items())
+
+
+@click.group(cls=LazyGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="v4-launcher")
+def cli():
+    """Bring up a GPU cluster and run staged DeepSeek-V4 SFT/RL experiments on it.
+
+    \b
+    Start here:
+      v4 config show --preset smoke --explain    what a run would use, and where each value came from
+      v4 run --preset smoke --dry-run            the whole plan, touching nothing
+      v4 run --preset smoke                      run it (local Ray + CPU when there is no cluster/GPU)
+    """
+
+
+@click.command("completion")
+@click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
+def completion(shell):
+    """Print the line that enables shell completion, e.g. `eval "$(v4 completion bash)"`."""
+    click.echo(f'eval "$(_V4_COMPLETE={shell}_source v4)"')
+
+
+def main(argv=None) -> None:
+    try:
+        cli.main(args=argv, prog_name="v4", standalone_mode=False)
+    except V4Error as e:
+        click.echo(e.render(), err=True)
+        sys.exit(e.code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    sys.exit(0)

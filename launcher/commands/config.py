@@ -1,0 +1,73 @@
+"""`v4 config show | validate | keys`."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from launcher.cli_options import config_options, load_config
+from launcher.config import KEYS, load
+
+
+@click.group("config")
+def config():
+    """Show, explain and validate the layered configuration."""
+
+
+@config.command("show")
+@config_options()
+@click.option("--explain", is_flag=True, help="add FROM (file:line / env / cli) and OVERRODE columns")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--no-check", is_flag=True, help="show values even when cross-checks fail")
+def show(selection, explain, as_json, no_check):
+    """Print the resolved configuration (secrets redacted)."""
+    cfg = load(selection) if no_check else load_config(selection)
+    if as_json:
+        click.echo(json.dumps(cfg.to_json(), indent=2))
+        return
+    rows = cfg.explain()
+    click.echo(f"# cluster={cfg.selection.cluster} hw={cfg.selection.hw} preset={cfg.selection.preset or '-'}", err=True)
+    if not explain:
+        width = max(len(r["key"]) for r in rows)
+        for r in rows:
+            click.echo(f"{r['key']:<{width}}  {_fmt(r['value'])}")
+        return
+    table = [("KEY", "VALUE", "FROM", "OVERRODE")]
+    for r in rows:
+        o = r["overrode"]
+        table.append((r["key"], _fmt(r["value"]), r["from"],
+                      "" if o is None else f"{o['value']!r} ({o['from']})"))
+    widths = [min(max(len(row[i]) for row in table), 48) for i in range(3)]
+    for row in table:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3])
+
+
+@config.command("validate")
+@config_options()
+@click.option("--json", "as_json", is_flag=True)
+def validate(selection, as_json):
+    """Resolve and cross-check the configuration; exit 2 naming every disagreement."""
+    cfg = load_config(selection)
+    derived = {k: d.value for k, d in cfg.derived.items()}
+    if as_json:
+        click.echo(json.dumps({"ok": True, "derived": derived}, indent=2))
+    else:
+        click.echo(f"ok: cluster={cfg.selection.cluster} hw={cfg.selection.hw} preset={cfg.selection.preset or '-'}")
+        for k, v in derived.items():
+            click.echo(f"  {k} = {_fmt(v)}")
+
+
+@config.command("keys")
+@click.option("--json", "as_json", is_flag=True)
+def keys(as_json):
+    """List every key the schema declares: type, default, usual layer, doc."""
+    if as_json:
+        click.echo(json.dumps([k.__dict__ | {"secret": k.secret} for k in KEYS], indent=2))
+        return
+    for k in KEYS:
+        kind = k.type + (f"[{'|'.join(c or '\"\"' for c in k.choices)}]" if k.choices else "")
+        click.echo(f"{k.name:<28} {kind:<22} {k.layer:<8} default={k.default!r:<14} {k.doc}")
+
+
+def _fmt(v) -> str:
+    return " ".join(map(str, v)) if isinstance(v, list) else str(v)

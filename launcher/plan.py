@@ -1,0 +1,207 @@
+"""From a resolved config to a Plan: ordered steps with the exact commands, environment and nodes.
+
+The plan is pure data rendered from templates; `v4 run --dry-run` prints it and touches nothing.
+`v4 run` executes the same Plan, so what was shown is what runs.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from launcher.config import Config
+
+TEMPLATES = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+    undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+TEMPLATES.filters["shq"] = lambda s: shlex.quote(str(s))
+
+
+@dataclass(frozen=True)
+class StepDef:
+    module: str
+    doc: str
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+
+
+# The pipeline's steps: one entry each, in no particular order (PRESET_STEPS orders them).
+# Inputs/outputs name config keys (resolved to paths) or paths relative to the run directory.
+PIPELINE: dict[str, StepDef] = {
+    "weights": StepDef("jobs.obtain_weights", "generate a random checkpoint in the official release layout",
+                       outputs=("CKPT_HF_DIR",)),
+    "prepare_data": StepDef("jobs.prepare_data", "chat data -> normalized messages jsonl",
+                            inputs=("PRESET_DATA",), outputs=("V4_SFT_DATA",)),
+    "verify_template": StepDef("jobs.verify_template", "chat encoding and loss mask: print the table, fail on bad masks",
+                               inputs=("V4_SFT_DATA", "CKPT_HF_DIR"), outputs=("steps/verify_template/summary.json",)),
+    "dequantize": StepDef("jobs.dequantize", "FP8/MXFP4 official checkpoint -> BF16 HF shards",
+                          inputs=("CKPT_HF_DIR",), outputs=("CKPT_BF16_DIR",)),
+    "convert": StepDef("jobs.convert_ckpt", "BF16 HF -> Megatron distributed checkpoint",
+                       inputs=("CKPT_BF16_DIR",), outputs=("CKPT_TORCH_DIST",)),
+    "train": StepDef("jobs.train_sft", "SFT on megatron-core: metrics.jsonl, checkpoints, reload check",
+                     inputs=("CKPT_TORCH_DIST", "V4_SFT_DATA"), outputs=("checkpoints/", "metrics.jsonl")),
+    "evaluate": StepDef("jobs.evaluate", "held-out loss of the trained checkpoint",
+                        inputs=("checkpoints/", "V4_SFT_DATA"), outputs=("steps/evaluate/eval.json",)),
+}
+RL_TRAIN = StepDef("jobs.train_rl", "GRPO with the embedded rollout engine",
+                   inputs=("CKPT_TORCH_DIST", "V4_SFT_DATA"), outputs=("checkpoints/", "metrics.jsonl"))
+
+GATES = {
+    "finite_loss": "every step's loss and grad norm are finite",
+    "loss_decreasing": "the last step's loss is below the first step's",
+    "reload_equal": "save -> reload -> the next step's loss is identical",
+    "peak_memory": "peak memory per GPU under HW_PEAK_MEM_BUDGET_GB",
+    "step_time": "steady-state step time under HW_STEP_TIME_BUDGET_S",
+}
+
+# Ray uploads the checkout as each job's working_dir; these never travel.
+WORKING_DIR_EXCLUDES = [".git", ".venv", ".dev", "outputs", "**/__pycache__", "*.egg-info", ".pytest_cache"]
+
+
+@dataclass
+class JobSpec:
+    submission_id: str
+    entrypoint: str
+    runtime_env: dict
+    entrypoint_num_cpus: float
+    entrypoint_num_gpus: float
+    timeout_s: float
+    submit: str                      # the equivalent `ray job submit` command line
+
+
+@dataclass
+class Step:
+    name: str
+    kind: str                        # preflight | cluster | job | gates
+    doc: str
+    nodes: dict[str, list[str]] = field(default_factory=dict)   # node -> commands run there
+    job: JobSpec | None = None
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    items: list[str] = field(default_factory=list)              # check or gate names
+
+
+@dataclass
+class Plan:
+    run_id: str
+    run_dir: str
+    selection: dict
+    dashboard: str
+    steps: list[Step]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def render(self) -> str:
+        return TEMPLATES.get_template("plan.txt.j2").render(plan=self)
+
+
+def new_run_id(prefix: str) -> str:
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def python_on_nodes(cfg: Config) -> str:
+    return cfg["V4_PYTHON"] or sys.executable
+
+
+def job_env(cfg: Config, run_dir: str) -> dict[str, str]:
+    """Environment every job step gets (the runtime_env's env_vars)."""
+    v = cfg
+    py_bin = str(Path(python_on_nodes(cfg)).parent)
+    env = {
+        "V4_RUN_DIR": run_dir,
+        "PYTHONUNBUFFERED": "1",
+        # `python` inside a job must be the project's interpreter, not the system one.
+        "PATH": f"{py_bin}:${{PATH}}",
+        "MASTER_ADDR": v["V4_MASTER_IP"],
+        "MASTER_PORT": str(v["V4_DIST_PORT"]),
+        "HF_HOME": v["V4_HF_HOME"],
+    }
+    if v["V4_SOCKET_IFNAME"] != "auto":
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = v["V4_SOCKET_IFNAME"]
+    if v["HW_DEVICE"] == "cuda":
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        env["NCCL_NVLS_ENABLE"] = str(int(v["HW_NCCL_NVLS_ENABLE"]))
+        if v["HW_PYTORCH_CUDA_ALLOC_CONF"]:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = v["HW_PYTORCH_CUDA_ALLOC_CONF"]
+    if v["V4_NCCL_IB_DISABLE"]:
+        env["NCCL_IB_DISABLE"] = "1"
+    if v["V4_HTTP_PROXY"]:
+        env["http_proxy"] = env["https_proxy"] = v["V4_HTTP_PROXY"]
+        env["no_proxy"] = ",".join(["127.0.0.1", "localhost", *cfg.nodes])
+    if v["V4_TZ"]:
+        env["TZ"] = v["V4_TZ"]
+    return env
+
+
+def dashboard_address(cfg: Config) -> str:
+    return f"http://{cfg['V4_MASTER_IP']}:{cfg['V4_DASHBOARD_PORT']}"
+
+
+def job_step(cfg: Config, name: str, run_id: str, run_dir: str) -> Step:
+    d = RL_TRAIN if name == "train" and cfg["PRESET_MODE"] == "rl" else PIPELINE[name]
+    entrypoint = f"{shlex.quote(python_on_nodes(cfg))} -m {d.module} --run-dir {shlex.quote(run_dir)}"
+    runtime_env = {"working_dir": str(cfg.selection.root),
+                   "excludes": WORKING_DIR_EXCLUDES, "env_vars": job_env(cfg, run_dir)}
+    job = JobSpec(
+        submission_id=f"{run_id}-{name}",
+        entrypoint=entrypoint,
+        runtime_env=runtime_env,
+        # The driver is light: training ranks are Ray actors that reserve the GPUs themselves.
+        entrypoint_num_cpus=1,
+        entrypoint_num_gpus=0,
+        timeout_s=cfg["PRESET_JOB_TIMEOUT"],
+        submit="",
+    )
+    job.submit = TEMPLATES.get_template("job_submit.sh.j2").render(
+        address=dashboard_address(cfg), job=job, runtime_env_json=json.dumps(runtime_env))
+    resolve_io = lambda keys: [cfg[k] if k in cfg else f"{run_dir}/{k}" for k in keys]
+    return Step(name, "job", d.doc, job=job, inputs=resolve_io(d.inputs), outputs=resolve_io(d.outputs))
+
+
+def build(cfg: Config, run_id: str | None = None) -> Plan:
+    run_id = run_id or new_run_id(cfg["PRESET_RUN_ID_PREFIX"])
+    run_dir = f"{cfg['V4_OUT']}/{run_id}"
+    steps = [preflight_step(cfg), cluster_step(cfg)]
+    for name in cfg["PRESET_STEPS"]:
+        if name not in PIPELINE:
+            from launcher.errors import ConfigError
+            raise ConfigError(f"{cfg.origin('PRESET_STEPS').where}: unknown pipeline step {name!r}",
+                              fix=f"steps: {', '.join(PIPELINE)}")
+        steps.append(job_step(cfg, name, run_id, run_dir))
+    unknown = [g for g in cfg["PRESET_GATES"] if g not in GATES]
+    if unknown:
+        from launcher.errors import ConfigError
+        raise ConfigError(f"{cfg.origin('PRESET_GATES').where}: unknown gate(s) {', '.join(unknown)}",
+                          fix=f"gates: {', '.join(GATES)}")
+    steps.append(Step("gates", "gates", "assertions over the train step's metrics",
+                      items=[f"{g}: {GATES[g]}" for g in cfg["PRESET_GATES"]]))
+    sel = cfg.selection
+    return Plan(run_id, run_dir, {"cluster": sel.cluster, "hw": sel.hw, "preset": sel.preset},
+                dashboard_address(cfg), steps)
+
+
+def preflight_step(cfg: Config) -> Step:
+    try:
+        from launcher.preflight import check_names
+        names = check_names(cfg)
+    except ImportError:
+        names = []
+    return Step("preflight", "preflight", f"checks on {len(cfg.nodes)} node(s), in parallel; any FAIL stops the run",
+                items=names)
+
+
+def cluster_step(cfg: Config) -> Step:
+    from launcher.cluster import cluster_commands
+
+    nodes = {f"{nc.node} ({nc.role})": list(nc.commands) for nc in cluster_commands(cfg)}
+    return Step("cluster-up", "cluster",
+                f"Ray head on {cfg['V4_MASTER_IP']}, then {len(cfg.nodes) - 1} worker(s); ready when the GCS "
+                f"reports all {len(cfg.nodes)} nodes (deadline {cfg['V4_RAY_READY_TIMEOUT']:.0f} s); "
+                "skipped when the cluster is already healthy", nodes=nodes)

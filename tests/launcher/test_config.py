@@ -1,0 +1,161 @@
+"""Config engine: every bad input gets a clear message and exit code 2; provenance is exact."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import main
+from launcher.config import Selection, load, resolve
+from launcher.config.checks import pipeline_split
+from launcher.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def v4(capsys, *args) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def env_file(tmp_path, text: str, name="extra.env") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_every_shipped_combination_resolves():
+    for cluster, hw, preset in [("local", "cpu", "smoke"), ("h20_8node", "h200", "smoke"),
+                                ("h20_8node", "auto", "dryrun"), ("h20_8node", "auto", "cp_smoke"),
+                                ("h20_8node", "auto", "validation"), ("h20_8node", "auto", "full"),
+                                ("local", "cpu", "rl_smoke"), ("h200_template", "auto", "full")]:
+        resolve(Selection(cluster=cluster, hw=hw, preset=preset))
+
+
+def test_flash_layouts_split_43_layers():
+    cfg = resolve(Selection(cluster="h20_8node", preset="dryrun"))
+    assert cfg["PP_STAGE_LAYERS"] == [4, 6, 6, 6, 6, 6, 6, 3]
+    cfg = resolve(Selection(cluster="h20_8node", preset="cp_smoke"))
+    assert cfg["PP_STAGE_LAYERS"] == [11, 11, 11, 10]
+    assert cfg["DP"] == 1 and cfg["WORLD_SIZE"] == 64
+
+
+def test_explain_names_file_line_and_what_was_overridden(capsys):
+    code, out, _ = v4(capsys, "config", "show", "--cluster", "h20_8node", "--preset", "smoke", "--json")
+    assert code == 0
+    prov = json.loads(out)["provenance"]
+    # hw/h20.env sets 4096, the smoke preset's PRESET_SEQ_LEN refers to it
+    line = next(n for n, l in enumerate((ROOT / "hw/h20.env").read_text().splitlines(), 1)
+                if l.startswith("HW_MAX_TOKENS_PER_GPU="))
+    assert prov["HW_MAX_TOKENS_PER_GPU"]["from"] == f"hw/h20.env:{line}"
+    assert prov["HW_MAX_TOKENS_PER_GPU"]["overrode"] == {"value": "4096", "from": "default"}
+    assert prov["PRESET_LR"]["from"].startswith("presets/smoke.env:")
+    assert prov["PRESET_LR"]["overrode"]["from"] == "default"
+    code, out, _ = v4(capsys, "config", "show", "--preset", "smoke", "--hw", "cpu", "--explain",
+                      "--set", "PRESET_LR=3e-4")
+    line = next(l for l in out.splitlines() if l.startswith("PRESET_LR "))
+    assert "cli --set PRESET_LR" in line and "'1e-3' (presets/smoke.env:" in line
+
+
+def test_set_moves_interpolated_paths():
+    cfg = resolve(Selection(preset="smoke", hw="cpu", sets=("V4_WORK=/srv/x",)))
+    assert cfg["V4_OUT"] == "/srv/x/runs" and cfg["V4_SFT_DATA"] == "/srv/x/data/sft.jsonl"
+
+
+def test_self_reference_appends_to_the_overridden_value(tmp_path):
+    f = env_file(tmp_path, 'PRESET_MODEL_OVERRIDES="${PRESET_MODEL_OVERRIDES} n_layers=2"\n')
+    cfg = resolve(Selection(preset="smoke", hw="cpu", env_files=(f,),
+                            sets=("PRESET_MODEL_OVERRIDES=${PRESET_MODEL_OVERRIDES} seed=3",)))
+    assert cfg["PRESET_MODEL_OVERRIDES"] == ["n_layers=2", "seed=3"]
+
+
+def test_secrets_are_redacted(capsys):
+    code, out, _ = v4(capsys, "config", "show", "--cluster", "h200_template", "--json",
+                      "--set", "V4_REDIS_PASSWORD=hunter2")
+    assert code == 0 and "hunter2" not in out
+    assert json.loads(out)["values"]["V4_REDIS_PASSWORD"] == "***"
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("PRESET_LRR=1e-4\n", ["extra.env:1", "unknown key PRESET_LRR", "did you mean PRESET_LR"]),
+    ("PRESET_TP=eight\n", ["extra.env:1", "PRESET_TP='eight'", "expected an integer"]),
+    ("\nthis is not an assignment\n", ["extra.env:2", "malformed line"]),
+    ("PRESET_LR=1e-4 # fine\nV4_WORKER_IPS=a b\n", ["extra.env:2", "unquoted value with spaces"]),
+    ("V4_TZ=$(date)\n", ["extra.env:1", "command substitution"]),
+    ("V4_DOCKER_MOUNTS=(a b)\n", ["extra.env:1", "arrays are not supported"]),
+    ('V4_MODELS="${V4_DATA}/m"\nV4_DATA="${V4_MODELS}/d"\n', ["interpolation cycle", "V4_MODELS (", "extra.env:1"]),
+    ("PRESET_PP_FIRST_LAYERS=5\nPRESET_PP_LAST_LAYERS=3\n", ["pipeline split", "first 5 + last 3 leave 35 layers",
+                                                             "PRESET_PP_FIRST_LAYERS=5 (", "extra.env:1"]),
+    ("PRESET_PP=3\n", ["TP*PP*CP = 24 does not divide the world size 64", "PRESET_PP=3 (", "extra.env:1"]),
+    ("HW_DEVICE=gpu\n", ["HW_DEVICE='gpu'", "one of 'cpu', 'cuda'"]),
+    ("V4_RAY_PORT=8201\n", ["V4_RAY_PORT=8201 (", "collides with", "V4_DASHBOARD_PORT=8201 (envs/cluster/h20_8node.env:"]),
+    ("V4_WORK=relative/dir\n", ["must be an absolute path", "V4_WORK=relative/dir"]),
+    ("PRESET_EP=3\n", ["PRESET_EP=3", "does not divide the model's 256 routed experts"]),
+])
+def test_bad_input_exits_2_with_file_line(capsys, tmp_path, text, needles):
+    f = env_file(tmp_path, text)
+    code, out, err = v4(capsys, "config", "validate", "--cluster", "h20_8node", "--preset", "dryrun", "--env-file", f)
+    assert code == 2, err
+    for n in needles:
+        assert n in err, f"{n!r} not in:\n{err}"
+
+
+@pytest.mark.parametrize("flag, name, listed", [
+    ("--preset", "smok", ["unknown preset 'smok'", "did you mean 'smoke'", "cp_smoke", "dryrun"]),
+    ("--hw", "h100", ["unknown hw 'h100'", "cpu, h20, h200"]),
+    ("--cluster", "h20", ["unknown cluster 'h20'", "h20_8node", "local"]),
+])
+def test_unknown_selector_lists_what_exists(capsys, flag, name, listed):
+    args = ["config", "show", flag, name] + ([] if flag == "--preset" else ["--preset", "smoke"])
+    code, _, err = v4(capsys, *args)
+    assert code == 2
+    for n in listed:
+        assert n in err
+
+
+def test_missing_preset_is_a_usage_error(capsys):
+    code, _, err = v4(capsys, "run", "--dry-run")
+    assert code == 2 and "--preset" in err
+
+
+def test_all_errors_reported_together(tmp_path):
+    f = env_file(tmp_path, "PRESET_PP=3\nV4_RAY_PORT=8201\n")
+    with pytest.raises(ConfigError) as e:
+        resolve(Selection(cluster="h20_8node", preset="dryrun", env_files=(f,)))
+    assert "does not divide" in e.value.message and "collides" in e.value.message
+
+
+def test_process_environment_applies_to_schema_keys_only():
+    cfg = load(Selection(preset="smoke", hw="cpu", environ={"PRESET_LR": "2e-4", "HOME": "/x", "PRESET_LRX": "1"}))
+    assert cfg["PRESET_LR"] == 2e-4 and cfg.origin("PRESET_LR").where == "env $PRESET_LR"
+
+
+def test_layer_files_are_valid_bash():
+    files = sorted(ROOT.glob("envs/**/*.env")) + sorted(ROOT.glob("hw/*.env")) + sorted(ROOT.glob("presets/*.env"))
+    for f in files:
+        r = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{f}: {r.stderr}"
+
+
+def test_pipeline_layouts():
+    assert pipeline_split(43, 8, 4, 3, "") == [4, 6, 6, 6, 6, 6, 6, 3]
+    assert pipeline_split(43, 8, 0, 0, "Ett|(ttt|)*11,(tt|)*3,ttL") == [2] + [3] * 11 + [2] * 3 + [2]
+    assert pipeline_split(4, 2, 0, 0, "") == [2, 2]
+    with pytest.raises(ValueError, match="layout places 42 layers"):
+        pipeline_split(43, 8, 0, 0, "Ett|(ttt|)*11,(tt|)*3,tL")
+    with pytest.raises(ValueError, match="do not split evenly"):
+        pipeline_split(43, 2, 0, 0, "")
+
+
+def test_config_show_imports_neither_torch_nor_ray():
+    code = ("import sys\nfrom launcher.cli import main\n"
+            "try:\n    main(['config', 'show', '--preset', 'smoke', '--cluster', 'h20_8node'])\n"
+            "except SystemExit:\n    pass\n"
+            "print('HEAVY', sorted(m for m in ('torch', 'ray', 'paramiko', 'dsv4.model') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert "HEAVY []" in r.stdout, r.stdout[-500:] + r.stderr[-2000:]
