@@ -1,0 +1,124 @@
+"""Gates: assertions over a run's metrics, and the stage order they unlock.
+
+A gate reads what the train step left in the run directory (metrics.jsonl, one row per step, and
+steps/train/reload_check.json) and passes, fails, or cannot be evaluated (which fails too: a gate
+that cannot see its evidence must not pass).
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RELOAD_CHECK = "steps/train/reload_check.json"
+
+
+@dataclass
+class GateResult:
+    name: str
+    passed: bool
+    detail: str
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # a resumed run may repeat steps: the last row of a step wins
+    by_step = {r["step"]: r for r in rows if "step" in r}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def evaluate(names: list[str], run_dir: Path, cfg) -> list[GateResult]:
+    rows = read_metrics(run_dir)
+    out = []
+    for name in names:
+        if not rows:
+            out.append(GateResult(name, False, f"no metrics in {run_dir}/metrics.jsonl"))
+            continue
+        out.append(GATES[name](rows, Path(run_dir), cfg))
+    return out
+
+
+def finite_loss(rows, run_dir, cfg) -> GateResult:
+    bad = [r["step"] for r in rows if not (_finite(r.get("loss")) and _finite(r.get("grad_norm")))]
+    if bad:
+        return GateResult("finite_loss", False, f"non-finite loss or grad norm at step(s) {bad[:10]}")
+    return GateResult("finite_loss", True, f"{len(rows)} steps, all finite")
+
+
+def loss_decreasing(rows, run_dir, cfg) -> GateResult:
+    if len(rows) < 2:
+        return GateResult("loss_decreasing", False, f"needs >= 2 steps, got {len(rows)}")
+    first, last = rows[0]["loss"], rows[-1]["loss"]
+    ok = _finite(first) and _finite(last) and last < first
+    return GateResult("loss_decreasing", ok, f"loss {first:.4f} (step {rows[0]['step']}) -> {last:.4f} "
+                                             f"(step {rows[-1]['step']})")
+
+
+def reload_equal(rows, run_dir, cfg) -> GateResult:
+    path = run_dir / RELOAD_CHECK
+    if not path.is_file():
+        return GateResult("reload_equal", False, f"{path} missing: the train step did not run its reload check")
+    r = json.loads(path.read_text())
+    a, b = r.get("loss_continued"), r.get("loss_reloaded")
+    ok = _finite(a) and _finite(b) and a == b
+    return GateResult("reload_equal", ok, f"next-step loss continued {a!r} vs reloaded {b!r}"
+                                          + ("" if ok else f" (diff {abs(a - b) if _finite(a) and _finite(b) else 'n/a'})"))
+
+
+def peak_memory(rows, run_dir, cfg) -> GateResult:
+    budget = cfg["HW_PEAK_MEM_BUDGET_GB"]
+    peak = max((r.get("peak_mem_gb") or 0.0) for r in rows)
+    if not budget:
+        return GateResult("peak_memory", True, f"peak {peak:.1f} GB (no budget set on this hardware)")
+    return GateResult("peak_memory", _finite(peak) and peak <= budget, f"peak {peak:.1f} GB vs budget {budget:.1f} GB")
+
+
+def step_time(rows, run_dir, cfg) -> GateResult:
+    budget = cfg["HW_STEP_TIME_BUDGET_S"]
+    steady = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]  # the first step pays for JIT
+    median = statistics.median(steady)
+    if not budget:
+        return GateResult("step_time", True, f"median step {median:.2f} s (no budget set on this hardware)")
+    return GateResult("step_time", _finite(median) and median <= budget,
+                      f"median steady step {median:.2f} s vs budget {budget:.1f} s")
+
+
+GATES = {f.__name__: f for f in (finite_loss, loss_decreasing, reload_equal, peak_memory, step_time)}
+
+
+# --- stage order -----------------------------------------------------------------------------------
+
+def stage_key(cfg) -> str:
+    """Runs of the 'same config' for stage ordering: same cluster and hardware."""
+    return f"{cfg['V4_CLUSTER_NAME']}/{cfg.selection.hw}"
+
+
+def _stages_file(cfg) -> Path:
+    return Path(cfg["V4_OUT"]) / "stages.json"
+
+
+def passed_stages(cfg) -> dict:
+    p = _stages_file(cfg)
+    return json.loads(p.read_text()).get(stage_key(cfg), {}) if p.is_file() else {}
+
+
+def record_pass(cfg, stage: str, run_id: str, results: list[GateResult]) -> None:
+    p = _stages_file(cfg)
+    data = json.loads(p.read_text()) if p.is_file() else {}
+    data.setdefault(stage_key(cfg), {})[stage] = {
+        "run_id": run_id, "passed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "gates": [asdict(r) for r in results]}
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(p)

@@ -1,0 +1,71 @@
+"""Gates pass on good evidence, fail on bad or missing evidence (NaN included)."""
+from __future__ import annotations
+
+import json
+
+from launcher.config import Selection, resolve
+from launcher.gates import evaluate, passed_stages, record_pass
+
+
+def write_run(tmp_path, losses, grad=1.0, reload=None, step_time=1.0, peak=1.0):
+    run = tmp_path / "run"
+    (run / "steps/train").mkdir(parents=True)
+    with open(run / "metrics.jsonl", "w") as f:
+        for i, loss in enumerate(losses):
+            f.write(json.dumps({"step": i + 1, "loss": loss, "grad_norm": grad, "step_time_s": step_time,
+                                "peak_mem_gb": peak}) + "\n")
+    if reload is not None:
+        (run / "steps/train/reload_check.json").write_text(json.dumps(reload))
+    return run
+
+
+def cfg(tmp_path, **sets):
+    return resolve(Selection(preset="smoke", hw="cpu",
+                             sets=(f"V4_WORK={tmp_path}", *(f"{k}={v}" for k, v in sets.items()))))
+
+
+def by_name(results):
+    return {r.name: r for r in results}
+
+
+def test_good_run_passes(tmp_path):
+    run = write_run(tmp_path, [5.0, 4.0, 3.0], reload={"loss_continued": 2.5, "loss_reloaded": 2.5})
+    res = by_name(evaluate(["finite_loss", "loss_decreasing", "reload_equal", "peak_memory", "step_time"], run,
+                           cfg(tmp_path)))
+    assert all(r.passed for r in res.values()), res
+
+
+def test_nan_fails_finite_and_decreasing(tmp_path):
+    run = write_run(tmp_path, [5.0, float("nan")])
+    res = by_name(evaluate(["finite_loss", "loss_decreasing"], run, cfg(tmp_path)))
+    assert not res["finite_loss"].passed and "step(s) [2]" in res["finite_loss"].detail
+    assert not res["loss_decreasing"].passed
+
+
+def test_reload_mismatch_or_missing_fails(tmp_path):
+    run = write_run(tmp_path, [5.0, 4.0], reload={"loss_continued": 2.5, "loss_reloaded": 2.5000001})
+    assert not evaluate(["reload_equal"], run, cfg(tmp_path))[0].passed
+    run2 = write_run(tmp_path / "b", [5.0, 4.0])
+    r = evaluate(["reload_equal"], run2, cfg(tmp_path))[0]
+    assert not r.passed and "missing" in r.detail
+
+
+def test_budgets(tmp_path):
+    run = write_run(tmp_path, [5.0, 4.0, 3.0], step_time=2.0, peak=10.0)
+    c = cfg(tmp_path, HW_PEAK_MEM_BUDGET_GB=8, HW_STEP_TIME_BUDGET_S=1)
+    res = by_name(evaluate(["peak_memory", "step_time"], run, c))
+    assert not res["peak_memory"].passed and not res["step_time"].passed
+
+
+def test_no_metrics_fails(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert not evaluate(["finite_loss"], tmp_path / "empty", cfg(tmp_path))[0].passed
+
+
+def test_stage_passes_are_per_cluster_and_hw(tmp_path):
+    c = cfg(tmp_path)
+    assert passed_stages(c) == {}
+    record_pass(c, "smoke", "stageA-x", [])
+    assert passed_stages(c)["smoke"]["run_id"] == "stageA-x"
+    other = resolve(Selection(preset="smoke", hw="cpu", sets=(f"V4_WORK={tmp_path}", "V4_CLUSTER_NAME=other")))
+    assert passed_stages(other) == {}
