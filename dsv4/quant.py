@@ -1,0 +1,187 @@
+"""DeepSeek-V4 quantization formats, in plain torch.
+
+* FP8 e4m3 weights with 128x128 block scales (power-of-two "ue8m0" scales stored as e8m0, or fp32 amax/448).
+* FP8 activation quant with 1xB blocks along the last dim (B = 128 for GEMM inputs, 64 for the KV QAT point).
+* FP4 e2m1 quant with 1x32 power-of-two scales; MXFP4 packing (two codes per byte, LOW nibble = even element).
+* Lossless MXFP4 -> FP8 128x128 cast, and the dequantizers.
+* Straight-through quant-dequant wrappers (`*_qdq`) used by the model's QAT simulation points: the forward
+  value is the quantized one, the gradient is the identity.
+
+Scales are always returned as float32 tensors holding the exact scale value; `to_e8m0` / `from_e8m0`
+convert power-of-two scales to and from the 1-byte e8m0 storage format (value 2^(byte-127)).
+"""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+E8M0 = torch.float8_e8m0fnu
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+# e2m1 code -> value; bit 3 is the sign, bits 0-2 index the magnitude
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+# ---------------------------------------------------------------------------------------------- scales
+def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(x)) for positive x, exactly (frexp, no log rounding): the ue8m0 scale rule."""
+    m, e = torch.frexp(x.float())
+    e = torch.where(m == 0.5, e - 1, e)  # x is already a power of two
+    return torch.ldexp(torch.ones_like(m), e)
+
+
+def to_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales -> float8_e8m0fnu (exact; refuses anything else)."""
+    if not bool((pow2_ceil(scale) == scale).all()):
+        raise ValueError("to_e8m0: scales must be exact powers of two (use scale_fmt='ue8m0')")
+    return scale.float().to(E8M0)
+
+
+def from_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """e8m0 (or its raw uint8 bytes) -> float32 scale values; float scales pass through."""
+    if scale.dtype == torch.uint8:
+        scale = scale.view(E8M0)
+    return scale.float()
+
+
+def _block_scale(amax: torch.Tensor, qmax: float, ue8m0: bool, amin: float) -> torch.Tensor:
+    s = amax.float().clamp(min=amin) / qmax
+    return pow2_ceil(s) if ue8m0 else s
+
+
+# ---------------------------------------------------------------------------------------------- FP8 activations
+def act_quant(x: torch.Tensor, block: int = 128, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row 1 x `block` FP8 quant along the last dim: (q e4m3 [..., N], scale fp32 [..., N/block])."""
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"act_quant: last dim {n} is not a multiple of block {block}")
+    xb = x.float().unflatten(-1, (n // block, block))
+    s = _block_scale(xb.abs().amax(-1), FP8_MAX, ue8m0, 1e-4)
+    q = (xb / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.flatten(-2), s
+
+
+def act_dequant(q: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Tensor:
+    return (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------- FP8 weights
+def weight_quant_fp8(w: torch.Tensor, block: int = 128, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], scale fp32 [ceil(N/block), ceil(K/block)]); ragged edge blocks are allowed."""
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    wp = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
+    blocks = wp.view(nb, block, kb, block)
+    s = _block_scale(blocks.abs().amax(dim=(1, 3)), FP8_MAX, ue8m0, 1e-4)
+    q = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(nb * block, kb * block)[:n, :k].contiguous(), s
+
+
+def weight_dequant_fp8(q: torch.Tensor, s: torch.Tensor, block: int = 128, dtype=torch.bfloat16) -> torch.Tensor:
+    """W[i, j] = float(q[i, j]) * s[i // block, j // block]."""
+    n, k = q.shape
+    s = from_e8m0(s) if s.dtype == E8M0 else s.float()
+    full = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return (q.float() * full).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- FP4 e2m1
+def fp4_encode(y: torch.Tensor) -> torch.Tensor:
+    """Round already-scaled values (|y| <= 6) to e2m1 codes (uint8 0..15), round-to-nearest-even on ties."""
+    a = y.abs().float()
+    mid = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=y.device)
+    lo = torch.bucketize(a, mid, right=False)   # ties -> lower code
+    hi = torch.bucketize(a, mid, right=True)    # ties -> upper code
+    code = torch.where(lo % 2 == 0, lo, hi)     # on a tie pick the even code (RNE); otherwise lo == hi
+    return (code | (torch.signbit(y).to(torch.int64) << 3)).to(torch.uint8)
+
+
+def fp4_decode(code: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=code.device)
+    return table[code.long()]
+
+
+def fp4_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 x `block` FP4 quant along the last dim: (codes uint8 [..., N], scale fp32 [..., N/block], powers of two).
+    amax is clamped to >= 6 * 2^-126 so the scale stays a normal e8m0 value."""
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"fp4_quant: last dim {n} is not a multiple of block {block}")
+    xb = x.float().unflatten(-1, (n // block, block))
+    s = _block_scale(xb.abs().amax(-1), FP4_MAX, True, FP4_MAX * 2.0 ** -126)
+    codes = fp4_encode((xb / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX))
+    return codes.flatten(-2), s
+
+
+def fp4_dequant(codes: torch.Tensor, s: torch.Tensor, block: int = 32) -> torch.Tensor:
+    return (fp4_decode(codes).unflatten(-1, (-1, block)) * from_e8m0(s).unsqueeze(-1)).flatten(-2)
+
+
+def fp4_pack(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K/2] int8; element 2k in the LOW nibble, 2k+1 in the high nibble."""
+    c = codes.to(torch.uint8)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).view(torch.int8)
+
+
+def fp4_unpack(packed: torch.Tensor) -> torch.Tensor:
+    p = packed.view(torch.uint8)
+    return torch.stack([p & 0x0F, p >> 4], dim=-1).flatten(-2)
+
+
+def mxfp4_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed-expert weight [N, K] -> (packed int8 [N, K/2], e8m0 scales [N, K/32]): the released layout."""
+    codes, s = fp4_quant(w, 32)
+    return fp4_pack(codes), to_e8m0(s)
+
+
+def mxfp4_dequant(packed: torch.Tensor, s: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    return fp4_dequant(fp4_unpack(packed), s, 32).to(dtype)
+
+
+def fp4_to_fp8(packed: torch.Tensor, s32: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 [N, K/2] + [N, K/32] -> FP8 e4m3 [N, K] + power-of-two fp32 scales [N/block, K/block].
+
+    Per 128x128 block S = max(s32 over the block) / 2^6 and w8 = fp4 * (s32 / S). Each factor s32/S is a
+    power of two <= 2^6 and |fp4| <= 6, so |w8| <= 384 < 448: exact whenever s32/S >= 2^-6 (all products
+    stay normal e4m3). A block whose scales span more than 12 octaves loses its smallest entries; the
+    caller can check exactness by comparing dequantized results (tests do)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if n % block or k % block:
+        raise ValueError(f"fp4_to_fp8: shape [{n}, {k}] must be a multiple of {block} in both dims")
+    vals = fp4_decode(fp4_unpack(packed))                         # [N, K]
+    s32 = from_e8m0(s32)                                          # [N, K/32]
+    sblk = s32.view(n // block, block, k // block, block // 32).amax(dim=(1, 3))  # [N/128, K/128]
+    S = sblk / 64.0
+    ratio = s32 / S.repeat_interleave(block, 0).repeat_interleave(block // 32, 1)
+    w8 = (vals * ratio.repeat_interleave(32, 1)).to(FP8)
+    return w8, S
+
+
+# ---------------------------------------------------------------------------------------------- QAT (straight-through)
+def _ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward value y, gradient of identity w.r.t. x."""
+    return x + (y.to(x.dtype) - x).detach()
+
+
+def fp8_act_qdq(x: torch.Tensor, block: int = 128, ue8m0: bool = True) -> torch.Tensor:
+    """A last dim that is not a multiple of `block` is zero-padded (zeros do not change a block's amax)."""
+    n = x.shape[-1]
+    xp = torch.nn.functional.pad(x.detach(), (0, -n % block))
+    q, s = act_quant(xp, block, ue8m0)
+    return _ste(x, act_dequant(q, s, block)[..., :n])
+
+
+def fp4_act_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    c, s = fp4_quant(x.detach(), block)
+    return _ste(x, fp4_dequant(c, s, block))
+
+
+def fp8_weight_qdq(w: torch.Tensor, block: int = 128, ue8m0: bool = True) -> torch.Tensor:
+    q, s = weight_quant_fp8(w.detach(), block, ue8m0)
+    return _ste(w, weight_dequant_fp8(q, s, block, torch.float32))
+
+
+def mxfp4_weight_qdq(w: torch.Tensor) -> torch.Tensor:
+    c, s = fp4_quant(w.detach(), 32)
+    return _ste(w, fp4_dequant(c, s, 32))
