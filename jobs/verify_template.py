@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dsv4.data import read_jsonl
-from dsv4.encoding import ChatEncoder, Encoded
+from dsv4.encoding import THINKING_MODES, ChatEncoder, Encoded
 from jobs.common import RunContext, done, fingerprint, log, mark_done
 
 NUM_SAMPLES = 64  # samples checked; the table shows the first
@@ -97,8 +97,12 @@ def print_table(enc: Encoded, tokenizer, out=None) -> None:
         print(f"... {len(enc.ids) - TABLE_ROWS} more tokens, {sum(enc.mask[TABLE_ROWS:])} of them trained", file=out)
 
 
-def _flag(value) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
+def chat_settings(cfg: dict) -> tuple[str, bool]:
+    """(thinking_mode, drop_thinking) of a run; train_sft must render with the same settings."""
+    mode = str(cfg.get("PRESET_THINKING_MODE", "chat"))
+    if mode not in THINKING_MODES:
+        raise ValueError(f"PRESET_THINKING_MODE={mode!r}: expected one of {THINKING_MODES}")
+    return mode, str(cfg.get("PRESET_DROP_THINKING", 0)).strip().lower() in ("1", "true", "yes", "on")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     if not data.is_file():
         log(f"error: V4_SFT_DATA={data} does not exist; run the prepare_data step first")
         return 1
-    thinking_mode = str(ctx.cfg.get("PRESET_THINKING_MODE", "chat"))
-    drop_thinking = _flag(ctx.cfg.get("PRESET_DROP_THINKING", 0))
+    try:
+        thinking_mode, drop_thinking = chat_settings(ctx.cfg)
+    except ValueError as e:
+        log(f"error: {e}")
+        return 2
     dirs = checkpoint_dirs(ctx.cfg)
     encoder = load_encoder(dirs)
     tokenizer, tok_source = load_tokenizer(dirs)

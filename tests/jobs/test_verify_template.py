@@ -104,3 +104,7 @@ def test_runs_as_a_module_and_fails_with_exit_1(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
     assert "FAIL sample 0: mask is all 0" in r.stderr
+
+
+def test_unknown_thinking_mode_is_a_config_error(tmp_path):
+    assert main(["--run-dir", str(_run_dir(tmp_path, SMOKE, PRESET_THINKING_MODE="deep"))]) == 2
