@@ -8,6 +8,7 @@ Conventions shared by both implementations (see docs/kernels.md):
 - `topk_idxs == -1` marks a padded slot: it contributes nothing, and its KV row is never read.
 - `attn_sink[h]` is a logit in the scaled-score space; it enters the softmax denominator only.
 - A row with no valid index returns 0 (the sink alone takes all the probability mass).
+- Indices outside [0, N) are treated as padding by the TileLang kernels.
 """
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale: float, impl: str = "
     return sparse_attn_gather(q, kv, attn_sink, topk_idxs, softmax_scale)
 
 
+def sparse_attn_lse(q, kv, attn_sink, topk_idxs, softmax_scale: float, impl: str = "torch"):
+    """Forward with the log-sum-exp: (o, lse[B,S,H] fp32, natural log, sink included). Not differentiable
+    under impl='tilelang' (use sparse_attn for training)."""
+    _check_impl(impl, "sparse_attn_lse")
+    if impl == "tilelang":
+        from .tilelang_sparse_attn import sparse_attn_fwd
+        return sparse_attn_fwd(q, kv, attn_sink, topk_idxs, softmax_scale)
+    from .reference import sparse_attn_gather_lse
+    return sparse_attn_gather_lse(q, kv, attn_sink, topk_idxs, softmax_scale)
+
+
 def indexer_logits(q, k, weights, ratio: int, impl: str = "torch"):
     """Lightning-indexer scores I[b,t,c] = sum_h relu(q[b,t,h]·k[b,c]) * weights[b,t,h], fp32 [B,S,N],
     -inf where entry c is not yet complete for query t (c >= (t+1)//ratio)."""
@@ -43,35 +55,18 @@ def indexer_logits(q, k, weights, ratio: int, impl: str = "torch"):
 
 def indexer_topk(q, k, weights, ratio: int, topk: int, impl: str = "torch"):
     """Top-k entries of the indexer scores, [B,S,min(topk,N)] int32, -1 where fewer than topk are valid."""
-    import torch
-    logits = indexer_logits(q, k, weights, ratio, impl)
-    vals, idx = logits.topk(min(topk, logits.shape[-1]), dim=-1)
-    return torch.where(torch.isfinite(vals), idx, -1).int()
+    from .reference import indexer_topk as topk_of
+    return topk_of(indexer_logits(q, k, weights, ratio, impl), topk)
 
 
 def act_quant(x, block_size: int = 128, scale_fmt: str | None = None, impl: str = "torch"):
-    """Blockwise FP8 e4m3 quantization along the last dim -> (q float8_e4m3fn, scales fp32 [..., D/block])."""
+    """Blockwise FP8 e4m3 quantization along the last dim -> (q float8_e4m3fn, scales fp32 [..., D/block]).
+    scale_fmt None: scale = amax/448; "ue8m0": the power of two at or above it."""
     _check_impl(impl, "act_quant")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"act_quant: scale_fmt must be None or 'ue8m0', got {scale_fmt!r}")
     if impl == "tilelang":
         from .tilelang_act_quant import act_quant as tl_act_quant
         return tl_act_quant(x, block_size, scale_fmt)
-    return act_quant_torch(x, block_size, scale_fmt)
-
-
-FP8_MAX = 448.0
-
-
-def act_quant_torch(x, block_size: int = 128, scale_fmt: str | None = None):
-    """Reference for act_quant: amax per block clamped to 1e-4; scale = amax/448, or the next power of two
-    at or above it for ue8m0; q = e4m3(clamp(x/scale)) with round-to-nearest-even."""
-    import torch
-    if x.shape[-1] % block_size:
-        raise ValueError(f"act_quant: last dim {x.shape[-1]} is not a multiple of block_size {block_size}")
-    if scale_fmt not in (None, "ue8m0"):
-        raise ValueError(f"act_quant: scale_fmt must be None or 'ue8m0', got {scale_fmt!r}")
-    xb = x.float().unflatten(-1, (-1, block_size))
-    s = xb.abs().amax(-1).clamp_min(1e-4) / FP8_MAX
-    if scale_fmt == "ue8m0":
-        s = torch.exp2(torch.ceil(torch.log2(s)))
-    q = (xb / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.flatten(-2), s
+    from dsv4.quant import act_quant as act_quant_ref
+    return act_quant_ref(x, block_size, ue8m0=scale_fmt == "ue8m0")

@@ -1,0 +1,372 @@
+"""TileLang sparse MQA attention with an attention sink (DeepSeek-V4), forward and backward.
+
+One KV latent row (D = 512 in V4) is both key and value for every head; each query token t attends to
+the K rows `kv[b, topk_idxs[b, t, :]]` (-1 = padding). Per head h, with s_j = scale * <q_h, kv_j>:
+
+    o_h   = sum_j exp(s_j - M) kv_j / (sum_j exp(s_j - M) + exp(sink_h - M)),   M = max(max_j s_j, sink_h)
+    lse_h = log(sum_j exp(s_j) + exp(sink_h))        (natural log, sink included)
+
+Kernels work in base 2 (exp2/log2, scores pre-multiplied by log2 e): `lse2 = lse / ln 2`.
+Padded slots are masked at the LOAD (their shared-memory rows are zero-filled by predicated cp.async,
+so KV[-1] is never read) and at the score (-inf). A row whose slots are all padding gives o = 0,
+finite lse (= sink) and zero gradients.
+
+Backward (per query, per head block; K = V = kv so dkv gets both contributions):
+    P   = exp2(s2 - lse2)                  s2 = scale*log2e*<q,kv_j>, P = 0 on padding
+    dS  = P * (dO.kv_j - Delta) * scale     Delta = sum_d o*dO
+    dq  = dS @ kv ;  dkv[idx_j] += dS^T q + P^T dO  (fp32 atomics)
+    dsink_h = -sum_{b,t} Delta * exp2(sink_h*log2e - lse2)
+
+Pass configs live in FWD_PASS_CONFIGS / BWD_PASS_CONFIGS and every build takes them as an argument,
+so `dsv4.kernels.bisect` can compile the same kernel under other settings.
+"""
+# no `from __future__ import annotations`: TileLang evaluates the kernel signatures' annotations, closures included
+
+import functools
+import math
+
+import torch
+
+LOG2E = 1.4426950408889634
+HEAD_BLOCK = 64          # heads per CTA: the wgmma M dimension
+FWD_BLOCK = 64           # KV rows per pipeline stage in the forward
+BWD_BLOCK = 32           # KV rows per step in the backward
+TOPK_MULTIPLE = 2 * FWD_BLOCK   # the forward consumes stages in pairs
+
+# TileLang pass configs, keyed by their string names so they mean the same thing across tilelang
+# versions. The backward must never run with aggressive shared-memory merge: on tilelang 0.1.9-0.1.10
+# it aliases a loop-carried buffer (tile-ai/tilelang#2199) and the gradients come out NaN.
+FWD_PASS_CONFIGS: dict[str, object] = {}
+BWD_PASS_CONFIGS: dict[str, object] = {
+    "tl.enable_aggressive_shared_memory_merge": False,
+    "tl.disable_tma_lower": True,
+    "tl.disable_warp_specialized": True,
+}
+
+
+def _frozen(cfg: dict | None) -> tuple:
+    return tuple(sorted((cfg or {}).items()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel programs
+# --------------------------------------------------------------------------------------------------
+
+def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
+    """Forward PrimFunc: (Q[B,S,H,D] bf16, KV[B,N,D] bf16, Idx[B,S,topk] i32, Sink[H] f32)
+    -> (O[B,S,H,D] bf16, Lse2[B,S,H] f32). B, S, N are dynamic.
+
+    Warp-specialized, 384 threads: warpgroup 2 gathers KV rows (predicated cp.async, two stages);
+    warpgroup 0 computes scores over all of D, the online softmax and O[:, :D/2]; warpgroup 1
+    computes O[:, D/2:] from the probabilities warpgroup 0 leaves in shared memory. Splitting O keeps
+    each accumulator at 64 x D/2 fp32 (128 registers a thread at D = 512)."""
+    import tilelang.language as T
+
+    assert heads % HEAD_BLOCK == 0, f"heads={heads} must be a multiple of {HEAD_BLOCK} (pad on the host)"
+    assert dim % 128 == 0, f"dim={dim} must be a multiple of 128"
+    assert topk % TOPK_MULTIPLE == 0, f"topk={topk} must be a multiple of {TOPK_MULTIPLE} (pad with -1)"
+    B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
+    HB, BI, D2 = HEAD_BLOCK, FWD_BLOCK, dim // 2
+    rep = heads // HB
+    n_pairs = topk // (2 * BI)
+    scale2 = sm_scale * LOG2E
+    bf16, f32 = T.bfloat16, T.float32
+    neg_big = -(2.0 ** 30)      # finite "no score yet": keeps (m_prev - m) free of inf - inf
+
+    @T.macro
+    def scores_and_pv_l(Idx, N, b, s, i, q_l, q_r, kv_l, kv_r, full, empty, phase, acc_s, m, m_prev, alpha, l, l_blk,
+                        acc_o_l, p_sh, alpha_sh, p_full, p_empty):
+        # warpgroup 0, block i: scores, online softmax, hand P to warpgroup 1, O_l += P @ V_l
+        T.barrier_wait(full, phase)
+        T.clear(acc_s)
+        T.gemm(q_l, kv_l, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(q_r, kv_r, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        for h, j in T.Parallel(HB, BI):
+            acc_s[h, j] = T.if_then_else((Idx[b, s, i * BI + j] >= 0) & (Idx[b, s, i * BI + j] < N), acc_s[h, j], -T.infinity(f32))
+        T.copy(m, m_prev)
+        T.reduce_max(acc_s, m, dim=1, clear=False)
+        for h in T.Parallel(HB):
+            alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
+        for h, j in T.Parallel(HB, BI):
+            acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for h in T.Parallel(HB):
+            l[h] = l[h] * alpha[h] + l_blk[h]
+        for h, d in T.Parallel(HB, D2):
+            acc_o_l[h, d] *= alpha[h]
+        T.barrier_wait(p_empty, (i & 1) ^ 1)          # warpgroup 1 is done with block i-1
+        T.copy(acc_s, p_sh)
+        T.copy(alpha, alpha_sh)
+        T.fence_proxy_async()                         # p_sh is read by wgmma (async proxy)
+        T.barrier_arrive(p_full)
+        T.gemm(p_sh, kv_l, acc_o_l, policy=T.GemmWarpPolicy.FullRow)
+        T.barrier_arrive(empty)
+
+    @T.macro
+    def pv_r(i, kv_r, empty, acc_o_r, p_sh, alpha_sh, p_full, p_empty):
+        # warpgroup 1, block i: O_r = O_r * alpha + P @ V_r
+        T.barrier_wait(p_full, i & 1)
+        for h, d in T.Parallel(HB, D2):
+            acc_o_r[h, d] *= alpha_sh[h]
+        T.gemm(p_sh, kv_r, acc_o_r, policy=T.GemmWarpPolicy.FullRow)
+        T.barrier_arrive(empty)
+        T.barrier_arrive(p_empty)
+
+    @T.macro
+    def gather(KV, Idx, b, s, tx, row, i, kv_l, kv_r, full, empty, phase):
+        # warpgroup 2: 8 threads per KV row, 16 B each; padded rows are zero-filled, not read
+        T.barrier_wait(empty, phase ^ 1)
+        for j, d in T.Parallel(BI, D2, annotations={"parallel_prefer_async": True}):
+            kv_l[j, d] = T.if_then_else(Idx[b, s, i * BI + j] >= 0, KV[b, T.max(Idx[b, s, i * BI + j], 0), d], T.cast(0, bf16))
+            kv_r[j, d] = T.if_then_else(Idx[b, s, i * BI + j] >= 0, KV[b, T.max(Idx[b, s, i * BI + j], 0), D2 + d], T.cast(0, bf16))
+        # the loop ends with cp.async.wait_all: the rows are in place; publish them to the wgmma readers
+        T.fence_proxy_async()
+        T.barrier_arrive(full)
+
+    @T.prim_func
+    def sparse_attn_fwd(
+        Q: T.Tensor([B, S, heads, dim], bf16),
+        KV: T.Tensor([B, N, dim], bf16),
+        Idx: T.Tensor([B, S, topk], T.int32),
+        Sink: T.Tensor([heads], f32),
+        O: T.Tensor([B, S, heads, dim], bf16),
+        Lse: T.Tensor([B, S, heads], f32),
+    ):
+        with T.Kernel(S * rep, B, threads=384) as (bx, b):
+            s = bx // rep                      # the `rep` head blocks of a query run side by side: L2 reuse
+            h0 = (bx % rep) * HB
+            q_l = T.alloc_shared([HB, D2], bf16)
+            q_r = T.alloc_shared([HB, D2], bf16)
+            kv0_l = T.alloc_shared([BI, D2], bf16)
+            kv0_r = T.alloc_shared([BI, D2], bf16)
+            kv1_l = T.alloc_shared([BI, D2], bf16)
+            kv1_r = T.alloc_shared([BI, D2], bf16)
+            p_sh = T.alloc_shared([HB, BI], bf16)
+            alpha_sh = T.alloc_shared([HB], f32)
+
+            acc_s = T.alloc_fragment([HB, BI], f32)
+            acc_o_l = T.alloc_fragment([HB, D2], f32)
+            acc_o_r = T.alloc_fragment([HB, D2], f32)
+            m = T.alloc_fragment([HB], f32)
+            m_prev = T.alloc_fragment([HB], f32)
+            alpha = T.alloc_fragment([HB], f32)
+            l = T.alloc_fragment([HB], f32)
+            l_blk = T.alloc_fragment([HB], f32)
+            row = T.alloc_local([1], T.int32)
+
+            bar_q = T.alloc_barrier(arrive_count=384)
+            full0 = T.alloc_barrier(arrive_count=128)
+            full1 = T.alloc_barrier(arrive_count=128)
+            empty0 = T.alloc_barrier(arrive_count=256)
+            empty1 = T.alloc_barrier(arrive_count=256)
+            p_full = T.alloc_barrier(arrive_count=128)
+            p_empty = T.alloc_barrier(arrive_count=128)
+
+            tx = T.get_thread_binding()
+            T.copy(Q[b, s, h0:h0 + HB, 0:D2], q_l)
+            T.copy(Q[b, s, h0:h0 + HB, D2:dim], q_r)
+            T.barrier_arrive(bar_q)
+
+            if tx < 128:
+                T.set_max_nreg(240, 1)
+                T.fill(m, neg_big)
+                T.fill(l, 0)
+                T.fill(acc_o_l, 0)
+                T.barrier_wait(bar_q, 0)
+                for k in T.serial(n_pairs):
+                    scores_and_pv_l(Idx, N, b, s, 2 * k, q_l, q_r, kv0_l, kv0_r, full0, empty0, k & 1,
+                                    acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty)
+                    scores_and_pv_l(Idx, N, b, s, 2 * k + 1, q_l, q_r, kv1_l, kv1_r, full1, empty1, k & 1,
+                                    acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty)
+                # fold in the sink: M = max(m, sink) keeps rows with no valid slot finite
+                for h in T.Parallel(HB):
+                    m_prev[h] = T.max(m[h] * scale2, Sink[h0 + h] * LOG2E)        # final max, base 2
+                    alpha[h] = T.exp2(m[h] * scale2 - m_prev[h])
+                    l[h] = l[h] * alpha[h] + T.exp2(Sink[h0 + h] * LOG2E - m_prev[h])
+                    alpha[h] = T.if_then_else(l[h] > 0, alpha[h] / l[h], 0)      # l == 0 only if no slot and sink = -inf
+                    Lse[b, s, h0 + h] = T.if_then_else(l[h] > 0, m_prev[h] + T.log2(l[h]), m_prev[h])
+                for h, d in T.Parallel(HB, D2):
+                    acc_o_l[h, d] *= alpha[h]
+                T.barrier_wait(p_empty, ((2 * n_pairs) & 1) ^ 1)
+                T.copy(alpha, alpha_sh)
+                T.barrier_arrive(p_full)
+                T.copy(acc_o_l, q_l)                          # q_l is free: all score GEMMs are done
+                T.copy(q_l, O[b, s, h0:h0 + HB, 0:D2])
+            elif tx < 256:
+                T.set_max_nreg(216, 1)
+                T.fill(acc_o_r, 0)
+                for k in T.serial(n_pairs):
+                    pv_r(2 * k, kv0_r, empty0, acc_o_r, p_sh, alpha_sh, p_full, p_empty)
+                    pv_r(2 * k + 1, kv1_r, empty1, acc_o_r, p_sh, alpha_sh, p_full, p_empty)
+                T.barrier_wait(p_full, (2 * n_pairs) & 1)
+                for h, d in T.Parallel(HB, D2):
+                    acc_o_r[h, d] *= alpha_sh[h]
+                T.copy(acc_o_r, q_r)                          # warpgroup 0 finished its last score GEMM
+                T.copy(q_r, O[b, s, h0:h0 + HB, D2:dim])
+            else:
+                T.set_max_nreg(56, 0)
+                for k in T.serial(n_pairs):
+                    gather(KV, Idx, b, s, tx, row, 2 * k, kv0_l, kv0_r, full0, empty0, k & 1)
+                    gather(KV, Idx, b, s, tx, row, 2 * k + 1, kv1_l, kv1_r, full1, empty1, k & 1)
+
+    return sparse_attn_fwd
+
+
+def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
+    """Backward PrimFunc: (Q, KV, dO, Idx, Lse2[B,S,H] f32, Delta[B,S,H] f32, dKV[B,N,D] f32 accumulated
+    in place) -> dQ[B,S,H,D] bf16. One CTA per (query, 64-head block), 256 threads, BWD_BLOCK rows a
+    step. dKV rows are added with fp32 atomics (a KV row is shared by many queries)."""
+    import tilelang.language as T
+
+    assert heads % HEAD_BLOCK == 0 and dim % 128 == 0 and topk % BWD_BLOCK == 0
+    B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
+    HB, BS = HEAD_BLOCK, BWD_BLOCK
+    rep = heads // HB
+    scale2 = sm_scale * LOG2E
+    bf16, f32 = T.bfloat16, T.float32
+
+    @T.prim_func
+    def sparse_attn_bwd(
+        Q: T.Tensor([B, S, heads, dim], bf16),
+        KV: T.Tensor([B, N, dim], bf16),
+        dO: T.Tensor([B, S, heads, dim], bf16),
+        Idx: T.Tensor([B, S, topk], T.int32),
+        Lse: T.Tensor([B, S, heads], f32),
+        Delta: T.Tensor([B, S, heads], f32),
+        dKV: T.Tensor([B, N, dim], f32),
+        dQ: T.Tensor([B, S, heads, dim], bf16),
+    ):
+        with T.Kernel(S * rep, B, threads=256) as (bx, b):
+            s = bx // rep
+            h0 = (bx % rep) * HB
+            q_sh = T.alloc_shared([HB, dim], bf16)
+            do_sh = T.alloc_shared([HB, dim], bf16)
+            kv_sh = T.alloc_shared([BS, dim], bf16)
+            p_sh = T.alloc_shared([HB, BS], bf16)
+            ds_sh = T.alloc_shared([HB, BS], bf16)
+            dkv_sh = T.alloc_shared([BS // 2, dim], f32)     # half a block at a time: fits next to Q and dO
+            acc_p = T.alloc_fragment([HB, BS], f32)
+            acc_dp = T.alloc_fragment([HB, BS], f32)
+            acc_dq = T.alloc_fragment([HB, dim], f32)
+            acc_dkv = T.alloc_fragment([BS, dim], f32)
+
+            T.copy(Q[b, s, h0:h0 + HB, :], q_sh)
+            T.copy(dO[b, s, h0:h0 + HB, :], do_sh)
+            T.clear(acc_dq)
+            for i in T.Pipelined(topk // BS, num_stages=0):
+                for j, d in T.Parallel(BS, dim):
+                    kv_sh[j, d] = T.if_then_else((Idx[b, s, i * BS + j] >= 0) & (Idx[b, s, i * BS + j] < N),
+                                                 KV[b, T.max(Idx[b, s, i * BS + j], 0), d], T.cast(0, bf16))
+                T.gemm(q_sh, kv_sh, acc_p, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                for h, j in T.Parallel(HB, BS):
+                    acc_p[h, j] = T.if_then_else((Idx[b, s, i * BS + j] >= 0) & (Idx[b, s, i * BS + j] < N),
+                                                 T.exp2(acc_p[h, j] * scale2 - Lse[b, s, h0 + h]), 0)
+                T.gemm(do_sh, kv_sh, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                for h, j in T.Parallel(HB, BS):
+                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b, s, h0 + h]) * sm_scale
+                T.copy(acc_p, p_sh)
+                T.copy(acc_dp, ds_sh)
+                T.gemm(ds_sh, kv_sh, acc_dq, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(ds_sh, q_sh, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(p_sh, do_sh, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                for half in T.unroll(2):
+                    for j, d in T.Parallel(BS, dim):
+                        if j // (BS // 2) == half:
+                            dkv_sh[j % (BS // 2), d] = acc_dkv[j, d]
+                    for j, d4 in T.Parallel(BS // 2, dim // 4):
+                        if (Idx[b, s, i * BS + half * (BS // 2) + j] >= 0) & (Idx[b, s, i * BS + half * (BS // 2) + j] < N):
+                            T.atomic_addx4(dKV[b, Idx[b, s, i * BS + half * (BS // 2) + j], d4 * 4], dkv_sh[j, d4 * 4])
+            T.copy(acc_dq, dQ[b, s, h0:h0 + HB, :])
+
+    return sparse_attn_bwd
+
+
+# --------------------------------------------------------------------------------------------------
+# Compiled kernels and the torch-facing functions
+# --------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _compile(kind: str, heads: int, dim: int, topk: int, sm_scale: float, cfg: tuple):
+    import tilelang
+    program, out_idx = {"fwd": (fwd_program, [4, 5]), "bwd": (bwd_program, [7])}[kind]
+    return tilelang.compile(program(heads, dim, topk, sm_scale), out_idx=out_idx, pass_configs=dict(cfg))
+
+
+def fwd_kernel(heads: int, dim: int, topk: int, sm_scale: float, pass_configs: dict | None = None):
+    cfg = FWD_PASS_CONFIGS if pass_configs is None else pass_configs
+    return _compile("fwd", heads, dim, topk, float(sm_scale), _frozen(cfg))
+
+
+def bwd_kernel(heads: int, dim: int, topk: int, sm_scale: float, pass_configs: dict | None = None):
+    cfg = BWD_PASS_CONFIGS if pass_configs is None else pass_configs
+    return _compile("bwd", heads, dim, topk, float(sm_scale), _frozen(cfg))
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _pad_inputs(q, kv, attn_sink, topk_idxs):
+    """bf16 contiguous operands, heads padded to a multiple of 64 (zero q, zero sink: their rows are
+    discarded and, with dO = 0, add nothing to dkv) and top-k padded with -1 to the kernel's block."""
+    if q.dim() != 4 or kv.dim() != 3 or topk_idxs.dim() != 3:
+        raise ValueError(f"sparse_attn: expected q[B,S,H,D], kv[B,N,D], topk_idxs[B,S,K]; got {tuple(q.shape)}, "
+                         f"{tuple(kv.shape)}, {tuple(topk_idxs.shape)}")
+    B, S, H, D = q.shape
+    if kv.shape[0] != B or kv.shape[2] != D or topk_idxs.shape[:2] != (B, S) or attn_sink.shape != (H,):
+        raise ValueError(f"sparse_attn: shapes disagree: q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
+                         f"attn_sink {tuple(attn_sink.shape)}, topk_idxs {tuple(topk_idxs.shape)}")
+    if not q.is_cuda:
+        raise ValueError("sparse_attn(impl='tilelang') needs CUDA tensors; use impl='torch' on the CPU")
+    Hp, Kp = _round_up(H, HEAD_BLOCK), _round_up(topk_idxs.shape[-1], TOPK_MULTIPLE)
+    qp = torch.nn.functional.pad(q.to(torch.bfloat16), (0, 0, 0, Hp - H)).contiguous()
+    idx = torch.nn.functional.pad(topk_idxs.to(torch.int32), (0, Kp - topk_idxs.shape[-1]), value=-1).contiguous()
+    sink = torch.nn.functional.pad(attn_sink.detach().float(), (0, Hp - H)).contiguous()
+    return qp, kv.to(torch.bfloat16).contiguous(), sink, idx
+
+
+def _fwd(qp, kvb, sink, idx, sm_scale, pass_configs=None):
+    _, _, Hp, D = qp.shape
+    return fwd_kernel(Hp, D, idx.shape[-1], sm_scale, pass_configs)(qp, kvb, idx, sink)
+
+
+def _bwd(qp, kvb, sink, idx, o, lse2, dop, sm_scale, pass_configs=None):
+    """Returns dq (bf16, padded heads), dkv (fp32), dsink (fp32, padded heads)."""
+    _, _, Hp, D = qp.shape
+    delta = torch.einsum("bshd,bshd->bsh", o.float(), dop.float()).contiguous()
+    dkv = torch.zeros(kvb.shape, dtype=torch.float32, device=kvb.device)
+    dq = bwd_kernel(Hp, D, idx.shape[-1], sm_scale, pass_configs)(qp, kvb, dop, idx, lse2, delta, dkv)
+    dsink = -(delta * torch.exp2(sink * LOG2E - lse2)).sum((0, 1))
+    return dq, dkv, dsink
+
+
+def sparse_attn_fwd(q, kv, attn_sink, topk_idxs, softmax_scale: float, pass_configs: dict | None = None):
+    """Forward only: (o[B,S,H,D] in q's dtype, lse[B,S,H] fp32, natural log, sink included)."""
+    H = q.shape[2]
+    qp, kvb, sink, idx = _pad_inputs(q, kv, attn_sink, topk_idxs)
+    o, lse2 = _fwd(qp, kvb, sink, idx, softmax_scale, pass_configs)
+    return o[:, :, :H].to(q.dtype), lse2[:, :, :H] * math.log(2.0)
+
+
+class SparseAttnFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, attn_sink, topk_idxs, softmax_scale):
+        H = q.shape[2]
+        qp, kvb, sink, idx = _pad_inputs(q, kv, attn_sink, topk_idxs)
+        o, lse2 = _fwd(qp, kvb, sink, idx, softmax_scale)
+        ctx.save_for_backward(qp, kvb, sink, idx, o, lse2)
+        ctx.meta = (H, softmax_scale, q.dtype, kv.dtype, attn_sink.dtype)
+        return o[:, :, :H].to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        qp, kvb, sink, idx, o, lse2 = ctx.saved_tensors
+        H, softmax_scale, q_dtype, kv_dtype, sink_dtype = ctx.meta
+        dop = torch.nn.functional.pad(do.to(torch.bfloat16), (0, 0, 0, qp.shape[2] - H)).contiguous()
+        dq, dkv, dsink = _bwd(qp, kvb, sink, idx, o, lse2, dop, softmax_scale)
+        return dq[:, :, :H].to(q_dtype), dkv.to(kv_dtype), dsink[:H].to(sink_dtype), None, None
+
+
+def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale: float):
+    """Differentiable sparse attention with sink (see the module docstring for the math)."""
+    return SparseAttnFn.apply(q, kv, attn_sink, topk_idxs, softmax_scale)
