@@ -13,9 +13,14 @@ from __future__ import annotations
 import torch
 
 
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32, or fp64 when the inputs are fp64 (exact-ish gradient checks)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _stabiliser(scores: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
     # The max only keeps exp() in range; its gradient cancels mathematically, so it is detached.
-    m = torch.maximum(scores.amax(-1), attn_sink.float().view(1, 1, -1)).detach()
+    m = torch.maximum(scores.amax(-1), attn_sink.to(scores.dtype).view(1, 1, -1)).detach()
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a -inf sink on an empty row
 
 
@@ -27,7 +32,7 @@ def _gather_scores(q, kv, topk_idxs, softmax_scale):
     kv_sel = torch.gather(kv, 1, rows).view(B, S, K, D)
     # masked load: whatever sits in the row we clamped to (even NaN/Inf) must not reach the output
     kv_sel = torch.where(valid.unsqueeze(-1), kv_sel, torch.zeros((), dtype=kv.dtype, device=kv.device))
-    s = torch.einsum("bshd,bskd->bshk", q.float(), kv_sel.float()) * softmax_scale
+    s = torch.einsum("bshd,bskd->bshk", q.to(_acc(q)), kv_sel.to(_acc(q))) * softmax_scale
     s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
     return s, kv_sel
 
@@ -38,8 +43,8 @@ def sparse_attn_gather_lse(q, kv, attn_sink, topk_idxs, softmax_scale):
     s, kv_sel = _gather_scores(q, kv, topk_idxs, softmax_scale)
     m = _stabiliser(s, attn_sink)
     p = torch.exp(s - m.unsqueeze(-1))                                          # masked slots -> 0
-    denom = p.sum(-1) + torch.exp(attn_sink.float().view(1, 1, -1) - m)
-    o = torch.einsum("bshk,bskd->bshd", p / denom.unsqueeze(-1), kv_sel.float())
+    denom = p.sum(-1) + torch.exp(attn_sink.to(s.dtype).view(1, 1, -1) - m)
+    o = torch.einsum("bshk,bskd->bshd", p / denom.unsqueeze(-1), kv_sel.to(s.dtype))
     return o.to(q.dtype), m + torch.log(denom)
 
 
@@ -53,16 +58,16 @@ def sparse_attn_dense_lse(q, kv, attn_sink, topk_idxs, softmax_scale):
     column that is dropped before the value sum. Duplicate indices count once here."""
     B, S, H, D = q.shape
     N = kv.shape[1]
-    s = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * softmax_scale
+    s = torch.einsum("bshd,bnd->bshn", q.to(_acc(q)), kv.to(_acc(q))) * softmax_scale
     sel = torch.zeros(B, S, N + 1, dtype=torch.bool, device=q.device)
     sel.scatter_(-1, torch.where(topk_idxs >= 0, topk_idxs.long(), N), True)   # -1 -> a spill column
     s = s.masked_fill(~sel[..., :N].unsqueeze(2), float("-inf"))
-    sink = attn_sink.float().view(1, 1, H, 1).expand(B, S, H, 1)
+    sink = attn_sink.to(s.dtype).view(1, 1, H, 1).expand(B, S, H, 1)
     logits = torch.cat([s, sink], dim=-1)
     m = _stabiliser(logits, attn_sink)
     e = torch.exp(logits - m.unsqueeze(-1))
     denom = e.sum(-1)
-    o = torch.einsum("bshn,bnd->bshd", e[..., :N] / denom.unsqueeze(-1), kv.float())
+    o = torch.einsum("bshn,bnd->bshd", e[..., :N] / denom.unsqueeze(-1), kv.to(s.dtype))
     return o.to(q.dtype), m + torch.log(denom)
 
 
@@ -75,8 +80,8 @@ def indexer_logits_ref(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, 
     compressed entry c is not complete for query t (c >= (t+1) // ratio). `weights` already include the
     Hi^-0.5 * Di^-0.5 factors."""
     S, N = q.shape[1], k.shape[1]
-    scores = torch.einsum("bshd,bnd->bshn", q.float(), k.float()).relu()
-    logits = (scores * weights.float().unsqueeze(-1)).sum(2)                    # [B,S,N]
+    scores = torch.einsum("bshd,bnd->bshn", q.to(_acc(q)), k.to(_acc(q))).relu()
+    logits = (scores * weights.to(scores.dtype).unsqueeze(-1)).sum(2)                    # [B,S,N]
     return logits.masked_fill(~causal_compressed_mask(S, N, ratio, q.device), float("-inf"))
 
 
