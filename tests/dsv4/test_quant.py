@@ -1,0 +1,130 @@
+"""Quantization formats: round trips, exact power-of-two scales, FP4 rounding and packing, lossless FP4->FP8."""
+import pytest
+import torch
+
+from dsv4 import quant
+
+G = torch.Generator().manual_seed(0)
+
+
+def _is_pow2(s: torch.Tensor) -> bool:
+    m, _ = torch.frexp(s)
+    return bool(((m == 0.5) & (s > 0)).all())
+
+
+def test_pow2_ceil_is_exact():
+    x = torch.tensor([1.0, 0.75, 2.0 ** -20, 3.0, 448.0, 1e-4 / 448, 2.0 ** 10 + 1])
+    want = torch.tensor([1.0, 1.0, 2.0 ** -20, 4.0, 512.0, 2.0 ** -22, 2.0 ** 11])
+    assert torch.equal(quant.pow2_ceil(x), want)
+
+
+@pytest.mark.parametrize("block", [128, 64])
+def test_act_quant_ue8m0(block):
+    x = torch.randn(3, 5, 256, generator=G) * torch.logspace(-3, 3, 256)
+    q, s = quant.act_quant(x, block)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 5, 256 // block)
+    assert _is_pow2(s)
+    qmax = q.float().unflatten(-1, (-1, block)).abs().amax(-1)
+    assert (qmax <= 448).all() and (qmax >= 224).all()      # the smallest power of two that fits amax (224 after rounding)
+    back = quant.act_dequant(q, s, block)
+    assert torch.isfinite(back).all()
+    scale_full = s.repeat_interleave(block, -1)
+    normal = x.abs() >= scale_full * 2.0 ** -6               # e4m3 normal range: 3 mantissa bits
+    err = (back - x).abs()
+    assert (err[normal] <= x.abs()[normal] * 2.0 ** -4).all()
+    assert (err[~normal] <= scale_full[~normal] * 2.0 ** -10).all()   # subnormal step 2^-9, half of it
+    # by hand: amax 1 -> scale 2^ceil(log2(1/448)) = 2^-8, so q = 256 x, rounded to e4m3 (76.8 -> 80: step 8 in 64..128)
+    q1, s1 = quant.act_quant(torch.tensor([[1.0, -0.5, 0.3] + [0.0] * (block - 3)]), block)
+    assert s1.item() == 2.0 ** -8 and q1.float()[0, :3].tolist() == [256.0, -128.0, 80.0]
+
+
+def test_act_quant_fp32_scales():
+    x = torch.randn(4, 128, generator=G)
+    q, s = quant.act_quant(x, 128, ue8m0=False)
+    torch.testing.assert_close(s, x.abs().amax(-1, keepdim=True) / 448)
+    assert (q.float().abs().amax(-1) == 448).all()
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (130, 200), (64, 128)])
+def test_weight_fp8_blocks(shape):
+    w = torch.randn(*shape, generator=G)
+    w[: min(128, shape[0]), :128] *= 1000                    # one block far larger than the rest
+    q, s = quant.weight_quant_fp8(w)
+    assert q.shape == w.shape and s.shape == (-(-shape[0] // 128), -(-shape[1] // 128)) and _is_pow2(s)
+    e8 = quant.to_e8m0(s)
+    assert e8.dtype == torch.float8_e8m0fnu and torch.equal(quant.from_e8m0(e8), s)
+    back = quant.weight_dequant_fp8(q, e8, dtype=torch.float32)
+    assert torch.isfinite(back).all()
+    rel = (back - w).norm() / w.norm()
+    assert rel < 0.04                                        # e4m3 RMS rounding error ~2-3%
+    # each block is scaled independently: the small blocks keep their own precision
+    if shape[1] > 128:
+        small = w[:, 128:]
+        assert (back[:, 128:] - small).norm() / small.norm() < 0.04
+    # FP8 values times power-of-two scales are exact in bf16: dequant -> bf16 -> requant is lossless
+    q2, s2 = quant.weight_quant_fp8(quant.weight_dequant_fp8(q, s))
+    assert torch.equal(s2, s) and torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_to_e8m0_refuses_non_powers_of_two():
+    with pytest.raises(ValueError, match="powers of two"):
+        quant.to_e8m0(torch.tensor([3.0]))
+
+
+def test_fp4_codes_values_and_round_to_nearest_even():
+    vals = torch.tensor(quant.FP4_VALUES)
+    codes = quant.fp4_encode(vals)
+    assert torch.equal(quant.fp4_decode(codes), vals)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0])
+    want = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -4.0])   # to the even code
+    assert torch.equal(quant.fp4_decode(quant.fp4_encode(ties)), want)
+    near = torch.tensor([0.26, 1.3, 2.6, 4.9, 5.1, 5.9])
+    assert torch.equal(quant.fp4_decode(quant.fp4_encode(near)), torch.tensor([0.5, 1.5, 3.0, 4.0, 6.0, 6.0]))
+
+
+def test_fp4_pack_low_nibble_first():
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    packed = quant.fp4_pack(codes)
+    assert packed.dtype == torch.int8 and packed.view(torch.uint8).tolist() == [[0x21, 0x0F]]
+    assert torch.equal(quant.fp4_unpack(packed), codes)
+
+
+def test_mxfp4_round_trip():
+    w = torch.randn(64, 256, generator=G) * torch.logspace(-2, 2, 256)
+    packed, s = quant.mxfp4_quant(w)
+    assert packed.shape == (64, 128) and packed.dtype == torch.int8
+    assert s.shape == (64, 8) and s.dtype == torch.float8_e8m0fnu and _is_pow2(quant.from_e8m0(s))
+    back = quant.mxfp4_dequant(packed, s, torch.float32)
+    step = quant.from_e8m0(s).repeat_interleave(32, -1)
+    assert torch.isfinite(back).all() and ((back - w).abs() <= step).all()   # half the widest e2m1 gap (2)
+    amax = w.abs().unflatten(-1, (-1, 32)).amax(-1)
+    assert ((amax / quant.from_e8m0(s) > 3) & (amax / quant.from_e8m0(s) <= 6)).all()
+    # representable values survive a second pass unchanged (codes may differ: an amax that rounded down to 3
+    # halves the block scale, and 2x every e2m1 value <= 3 is again an e2m1 value)
+    assert torch.equal(quant.mxfp4_dequant(*quant.mxfp4_quant(back), torch.float32), back)
+
+
+def test_fp4_to_fp8_is_lossless():
+    w = torch.randn(256, 256, generator=G) * torch.logspace(-1, 1, 256)
+    packed, s = quant.mxfp4_quant(w)
+    w8, S = quant.fp4_to_fp8(packed, s)
+    assert w8.dtype == torch.float8_e4m3fn and S.shape == (2, 2) and _is_pow2(S)
+    assert torch.equal(quant.weight_dequant_fp8(w8, S, dtype=torch.float32), quant.mxfp4_dequant(packed, s, torch.float32))
+    assert w8.float().abs().max() <= 384
+
+
+def test_straight_through_gradients_are_identity():
+    x = torch.randn(4, 128, generator=G, requires_grad=True)
+    for fn in (quant.fp8_act_qdq, quant.fp4_act_qdq, quant.fp8_weight_qdq, quant.mxfp4_weight_qdq):
+        x.grad = None
+        y = fn(x)
+        assert not torch.equal(y, x) and torch.isfinite(y).all()
+        (y * 3).sum().backward()
+        assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def test_act_qdq_pads_ragged_last_dim():
+    x = torch.randn(2, 64, generator=G)
+    y = quant.fp8_act_qdq(x, 128)
+    q, s = quant.act_quant(torch.nn.functional.pad(x, (0, 64)), 128)
+    assert torch.equal(y, quant.act_dequant(q, s, 128)[:, :64])
