@@ -8,14 +8,15 @@ from __future__ import annotations
 import json
 import secrets
 import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import jinja2
 
+from launcher.cluster import dashboard_url
 from launcher.config import Config
+from launcher.nodes import python_on_nodes
 
 TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
@@ -106,23 +107,20 @@ def new_run_id(prefix: str) -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def python_on_nodes(cfg: Config) -> str:
-    return cfg["V4_PYTHON"] or sys.executable
-
-
 def job_env(cfg: Config, run_dir: str) -> dict[str, str]:
     """Environment every job step gets (the runtime_env's env_vars)."""
     v = cfg
-    py_bin = str(Path(python_on_nodes(cfg)).parent)
     env = {
         "V4_RUN_DIR": run_dir,
         "PYTHONUNBUFFERED": "1",
-        # `python` inside a job must be the project's interpreter, not the system one.
-        "PATH": f"{py_bin}:${{PATH}}",
         "MASTER_ADDR": v["V4_MASTER_IP"],
         "MASTER_PORT": str(v["V4_DIST_PORT"]),
         "HF_HOME": v["V4_HF_HOME"],
     }
+    python = python_on_nodes(cfg)
+    if python.startswith("/"):
+        # `python` inside a job must be the project's interpreter, not the system one.
+        env["PATH"] = f"{Path(python).parent}:${{PATH}}"
     if v["V4_SOCKET_IFNAME"] != "auto":
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = v["V4_SOCKET_IFNAME"]
     if v["HW_DEVICE"] == "cuda":
@@ -138,10 +136,6 @@ def job_env(cfg: Config, run_dir: str) -> dict[str, str]:
     if v["V4_TZ"]:
         env["TZ"] = v["V4_TZ"]
     return env
-
-
-def dashboard_address(cfg: Config) -> str:
-    return f"http://{cfg['V4_MASTER_IP']}:{cfg['V4_DASHBOARD_PORT']}"
 
 
 def job_step(cfg: Config, name: str, run_id: str, run_dir: str) -> Step:
@@ -160,7 +154,7 @@ def job_step(cfg: Config, name: str, run_id: str, run_dir: str) -> Step:
         submit="",
     )
     job.submit = TEMPLATES.get_template("job_submit.sh.j2").render(
-        address=dashboard_address(cfg), job=job, runtime_env_json=json.dumps(runtime_env))
+        address=dashboard_url(cfg), job=job, runtime_env_json=json.dumps(runtime_env))
     resolve_io = lambda keys: [cfg[k] if k in cfg else f"{run_dir}/{k}" for k in keys]
     return Step(name, "job", d.doc, job=job, inputs=resolve_io(d.inputs), outputs=resolve_io(d.outputs))
 
@@ -184,7 +178,7 @@ def build(cfg: Config, run_id: str | None = None) -> Plan:
                       items=[f"{g}: {GATES[g]}" for g in cfg["PRESET_GATES"]]))
     sel = cfg.selection
     return Plan(run_id, run_dir, {"cluster": sel.cluster, "hw": sel.hw, "preset": sel.preset},
-                dashboard_address(cfg), steps)
+                dashboard_url(cfg), steps)
 
 
 def preflight_step(cfg: Config) -> Step:
@@ -199,8 +193,7 @@ def preflight_step(cfg: Config) -> Step:
 
 def cluster_step(cfg: Config) -> Step:
     from launcher.cluster import cluster_commands
-
-    nodes = {f"{nc.node} ({nc.role})": list(nc.commands) for nc in cluster_commands(cfg)}
+    nodes = {f"{nc.ip} ({nc.role})": nc.display() for nc in cluster_commands(cfg)}
     return Step("cluster-up", "cluster",
                 f"Ray head on {cfg['V4_MASTER_IP']}, then {len(cfg.nodes) - 1} worker(s); ready when the GCS "
                 f"reports all {len(cfg.nodes)} nodes (deadline {cfg['V4_RAY_READY_TIMEOUT']:.0f} s); "
