@@ -167,7 +167,6 @@ class ModelConfig:
         hf.update(
             num_key_value_heads=1, kv_lora_rank=self.head_dim, topk_method="noaux_tc", norm_topk_prob=True,
             first_k_dense_replace=0, tie_word_embeddings=False, torch_dtype="bfloat16",
-            bos_token_id=0, eos_token_id=1,
             rope_scaling={"type": "yarn", "factor": self.rope_factor,
                           "original_max_position_embeddings": self.original_seq_len,
                           "beta_fast": self.beta_fast, "beta_slow": self.beta_slow},
