@@ -1,0 +1,176 @@
+"""Execute a Plan: stage order, preflight, cluster up, each step as a Ray job, gates, summary.
+
+Progress goes to stderr as it happens; the run directory records everything (config.json,
+manifest.json, plan.json, steps/<name>/{status.json,log}, metrics.jsonl, gates.json). A step whose
+job finds its outputs already complete (sentinels) returns at once, so re-running the same
+command, or `--resume RUN_ID`, continues where a failed run stopped.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from launcher import gates as gating
+from launcher.config import Config
+from launcher.errors import (GateError, JobError, NonFiniteError, PreflightError, Timeout, NONFINITE, TIMEOUT,
+                             V4Error)
+from launcher.plan import Plan, Step
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def check_stage_order(cfg: Config, force: bool) -> None:
+    needed = cfg["PRESET_REQUIRES_STAGE"]
+    if not needed:
+        return
+    passed = gating.passed_stages(cfg)
+    if needed in passed:
+        say(f"stage order: {needed} passed in run {passed[needed]['run_id']} ({passed[needed]['passed_at']})")
+        return
+    if force:
+        say(f"stage order: {needed} has not passed for {gating.stage_key(cfg)}; continuing because of --force")
+        return
+    sel = cfg.selection
+    raise GateError(
+        f"preset {sel.preset} (stage {cfg['PRESET_STAGE']}) needs stage {needed} to have passed first for "
+        f"cluster/hw {gating.stage_key(cfg)} ({cfg.origin('PRESET_REQUIRES_STAGE').where})",
+        fix=f"v4 run --preset {needed} --cluster {sel.cluster} --hw {sel.hw}   (or pass --force)")
+
+
+def check_available(plan: Plan) -> None:
+    """Refuse up front when a step's program does not exist yet: no pretend success."""
+    missing = [f"{s.name} ({s.job.entrypoint.split(' -m ')[1].split()[0]})" for s in plan.steps
+               if s.kind == "job" and importlib.util.find_spec(s.job.entrypoint.split(" -m ")[1].split()[0]) is None]
+    if missing:
+        raise JobError(f"not available yet in this version: {', '.join(missing)}",
+                       fix="drop these steps with --set PRESET_STEPS=\"...\" or use a preset whose steps exist")
+
+
+def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=False, as_json=False) -> None:
+    from launcher import cluster, jobs, preflight, registry
+
+    check_stage_order(cfg, force)
+    check_available(plan)
+    run = registry.open_run(cfg, plan) if resume else registry.create_run(cfg, plan, argv=sys.argv)
+    # The single record of what this run was asked to do; every job reads it.
+    run.write_json("config.json", {"values": cfg.job_values()}, private=True)
+    say(f"run {plan.run_id}: {run.dir}")
+    t0 = time.time()
+    try:
+        for step in plan.steps:
+            if step.kind == "preflight":
+                _preflight(cfg, run, step, skip_checks)
+            elif step.kind == "cluster":
+                say(f"[cluster] bringing up Ray on {len(cfg.nodes)} node(s) (no-op when healthy)")
+                run.set_step(step.name, "running")
+                st = cluster.up(cfg, progress=say)
+                run.set_step(step.name, "done", status=st.to_json())
+            elif step.kind == "job":
+                _job(cfg, run, step, jobs)
+            elif step.kind == "gates":
+                _gates(cfg, run, plan)
+    except V4Error as e:
+        run.finish("failed", error=e.message, code=e.code)
+        say(f"\nrun {plan.run_id} FAILED after {time.time() - t0:.0f} s: {e.message}")
+        say(f"  logs:   v4 runs logs {plan.run_id}")
+        say(f"  resume: v4 run --preset {cfg.selection.preset} --cluster {cfg.selection.cluster} "
+            f"--hw {cfg.selection.hw} --resume {plan.run_id}")
+        raise
+    run.finish("passed")
+    _summary(cfg, run, plan, time.time() - t0, as_json)
+
+
+def _preflight(cfg, run, step: Step, skip_checks) -> None:
+    from launcher import preflight
+
+    say(f"[preflight] {len(cfg.nodes)} node(s)")
+    run.set_step(step.name, "running")
+    results = preflight.run_checks(cfg)
+    say(preflight.render_table(results))
+    run.write_json("preflight.json", [asdict(r) for r in results])
+    strict = cfg["PRESET_STRICT_PREFLIGHT"]
+    failing = [r for r in results if (r.status == "FAIL" or (strict and r.status == "WARN"))
+               and r.name not in skip_checks]
+    if failing:
+        run.set_step(step.name, "failed")
+        names = sorted({r.name for r in failing})
+        raise PreflightError(
+            f"preflight: {len(failing)} failing check(s): "
+            + "; ".join(f"{r.name} on {r.node}: {r.detail}" for r in failing[:5]),
+            fix=(failing[0].fix or "") + f"   (or skip: {' '.join('--skip-check ' + n for n in names)})")
+    run.set_step(step.name, "done")
+
+
+def _job(cfg, run, step: Step, jobs) -> None:
+    status = run.step_status(step.name)
+    if status.get("status") == "done":
+        say(f"[{step.name}] done in an earlier attempt of this run; skipped")
+        return
+    say(f"[{step.name}] {step.doc}")
+    run.set_step(step.name, "running", submission_id=step.job.submission_id)
+    log = run.dir / "steps" / step.name / "log"
+    outcome = jobs.submit_and_wait(cfg, step.job, log_path=log, progress=say)
+    run.set_step(step.name, "done" if outcome.ok else "failed", **outcome.to_json())
+    if outcome.ok:
+        say(f"[{step.name}] done in {outcome.elapsed_s:.0f} s")
+        return
+    tail = "\n    ".join(outcome.log_tail.splitlines()[-15:])
+    if outcome.exit_code == NONFINITE:
+        nf = run.dir / "steps" / step.name / "nonfinite.json"
+        where = json.loads(nf.read_text()) if nf.is_file() else {}
+        raise NonFiniteError(f"{step.name}: non-finite loss/gradient at step {where.get('step', '?')}, rank "
+                             f"{where.get('rank', '?')}, first module {where.get('module', '?')}",
+                             fix=f"see {nf}; bisect with `v4 nan bisect-kernel` if a kernel is suspected")
+    if outcome.exit_code == TIMEOUT or outcome.status == "TIMEOUT":
+        raise Timeout(f"{step.name}: no result within {step.job.timeout_s:.0f} s (PRESET_JOB_TIMEOUT)")
+    raise JobError(f"{step.name}: job {outcome.status} (exit code {outcome.exit_code})\n    {tail}",
+                   fix=f"full log: {log}")
+
+
+def _gates(cfg, run, plan: Plan) -> None:
+    results = gating.evaluate(cfg["PRESET_GATES"], run.dir, cfg)
+    run.write_json("gates.json", [asdict(r) for r in results])
+    for r in results:
+        say(f"[gate] {'PASS' if r.passed else 'FAIL'} {r.name}: {r.detail}")
+    failed = [r for r in results if not r.passed]
+    if failed:
+        raise GateError("gate(s) failed: " + ", ".join(f"{r.name} ({r.detail})" for r in failed))
+    if cfg["PRESET_STAGE"]:
+        gating.record_pass(cfg, cfg["PRESET_STAGE"], plan.run_id, results)
+
+
+NEXT_STAGE = {"smoke": "dryrun", "dryrun": "full"}
+
+
+def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
+    rows = gating.read_metrics(run.dir)
+    last = rows[-1] if rows else {}
+    steady = rows[1:] or rows
+    summary = {
+        "run_id": plan.run_id, "run_dir": str(run.dir), "status": "passed", "elapsed_s": round(elapsed, 1),
+        "steps": len(rows),
+        "loss_first": rows[0]["loss"] if rows else None, "loss_last": last.get("loss"),
+        "step_time_s": (sum(r["step_time_s"] for r in steady) / len(steady)) if steady else None,
+        "tokens_per_s": (sum(r.get("tokens_per_s", 0) for r in steady) / len(steady)) if steady else None,
+        "peak_mem_gb": max((r.get("peak_mem_gb") or 0) for r in rows) if rows else None,
+    }
+    run.write_json("summary.json", summary)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+    sel = cfg.selection
+    nxt = NEXT_STAGE.get(cfg["PRESET_STAGE"])
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    say(f"\nrun {plan.run_id} PASSED in {elapsed:.0f} s: {summary['steps']} steps, "
+        f"loss {fmt(summary['loss_first'], '.4f')} -> {fmt(summary['loss_last'], '.4f')}, "
+        f"{fmt(summary['step_time_s'], '.2f')} s/step, {fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
+        f"peak {fmt(summary['peak_mem_gb'], '.2f')} GB")
+    say("next:")
+    say(f"  v4 runs show {plan.run_id}")
+    if nxt:
+        say(f"  v4 run --preset {nxt} --cluster {sel.cluster} --hw {sel.hw} --dry-run")
