@@ -1,0 +1,69 @@
+"""`v4 run --dry-run`: the whole plan, every node and step, as text or JSON, touching nothing."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+H20_NODES = ["10.0.8.17", *(f"10.0.8.{i}" for i in range(10, 17))]
+
+
+def dry_run(capsys, *extra, as_json=False):
+    args = ["run", "--preset", "smoke", "--hw", "h200", "--cluster", "h20_8node", "--dry-run", *extra]
+    with pytest.raises(SystemExit) as e:
+        main(args + (["--json"] if as_json else []))
+    out, err = capsys.readouterr()
+    assert e.value.code == 0, err
+    return out
+
+
+def test_text_plan_names_every_node_and_step(capsys):
+    out = dry_run(capsys)
+    for ip in H20_NODES:
+        assert f"on {ip} (" in out
+    assert out.count("ray.scripts.scripts start --head") == 1
+    assert out.count("ray.scripts.scripts start --address=10.0.8.17:6379") == 7
+    assert out.count("docker run -d --name \"$NAME\" --label v4.launcher=h20_8node") == 8
+    for step in ("preflight", "cluster-up", "weights", "prepare_data", "verify_template", "dequantize",
+                 "convert", "train", "gates"):
+        assert f"] {step} -- " in out
+    assert "ray job submit --address http://10.0.8.17:8201" in out
+    assert "-m jobs.train_sft --run-dir /data_fast_v3/v4-sft/runs/stageA-" in out
+
+
+def test_json_plan_parses_with_env_and_entrypoints(capsys):
+    plan = json.loads(dry_run(capsys, as_json=True))
+    steps = {s["name"]: s for s in plan["steps"]}
+    assert list(steps) == ["preflight", "cluster-up", "weights", "prepare_data", "verify_template", "dequantize",
+                           "convert", "train", "gates"]
+    assert len(steps["cluster-up"]["nodes"]) == 8
+    train = steps["train"]["job"]
+    assert train["entrypoint"].endswith(f"--run-dir {plan['run_dir']}")
+    env = train["runtime_env"]["env_vars"]
+    assert env["MASTER_ADDR"] == "10.0.8.17" and env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+def test_dry_run_touches_nothing(tmp_path):
+    """No files (the run directory is under V4_WORK), no SSH, no Ray: run it with an empty PATH."""
+    work = tmp_path / "work"
+    env = {**os.environ, "PATH": "/nonexistent"}   # no ssh, no ray, no docker reachable
+    r = subprocess.run([sys.executable, "-m", "launcher", "run", "--preset", "smoke", "--cluster", "h20_8node",
+                        "--hw", "h200", "--dry-run", "--set", f"V4_WORK={work}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert str(work) in r.stdout and not work.exists()
+
+
+def test_dry_run_with_a_config_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--preset", "long_context", "--cluster", "h20_8node", "--dry-run"])
+    assert e.value.code == 2
+    assert "TP*PP*CP = 256 does not divide the world size 64" in capsys.readouterr().err
