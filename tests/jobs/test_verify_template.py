@@ -108,3 +108,14 @@ def test_runs_as_a_module_and_fails_with_exit_1(tmp_path):
 
 def test_unknown_thinking_mode_is_a_config_error(tmp_path):
     assert main(["--run-dir", str(_run_dir(tmp_path, SMOKE, PRESET_THINKING_MODE="deep"))]) == 2
+
+
+def test_tokenizer_comes_from_the_checkpoint_when_it_has_one(tmp_path):
+    from dsv4.tokenizer import Tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    Tokenizer().save(ckpt)
+    run = _run_dir(tmp_path, SMOKE, ckpt=ckpt)
+    assert main(["--run-dir", str(run)]) == 0
+    s = _summary(run)
+    assert s["tokenizer"] == str(ckpt) and s["encoder"].startswith("built-in")
