@@ -1,0 +1,323 @@
+"""DeepSeek-V4 layers with tensor, sequence and expert parallelism.
+
+Each class mirrors one class of dsv4.model and calls its math functions (hc_pre, hc_post, rope_tail,
+compress, grouped_output, route via Gate, swiglu via Expert, ...); what is new is only which slice of
+each weight a rank holds and where activations are gathered or reduced (see parallel.py for the rules).
+Submodules that every TP rank holds whole (Compressor, Indexer, Gate, the q/kv norms) ARE the
+reference classes. Module and parameter names are the official ones, with global layer and expert
+numbers, so a checkpoint converts by name.
+
+With TP = EP = 1 every layer runs the same operations on the same tensors as the reference, so the
+single-process model reproduces it bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dsv4 import model as ref
+from dsv4.config import ModelConfig
+from dsv4.kernels import reference as kref
+from dsv4.megatron.parallel import (Ranks, mark_expert, mark_replicated, mark_tp, sp_gather, sp_reduce_scatter,
+                                    sp_slice, tp_all_gather_nograd)
+
+
+def _replicate_all(module: nn.Module) -> nn.Module:
+    for p in module.parameters():
+        mark_replicated(p)
+    return module
+
+
+def column_linear(in_features: int, out_features: int, dtype, tp: int) -> ref.Linear:
+    """Output features split over TP (each rank computes its slice of y)."""
+    lin = ref.Linear(in_features, out_features // tp, dtype)
+    mark_tp(lin.weight, 0)
+    return lin
+
+
+def row_linear(in_features: int, out_features: int, dtype, tp: int) -> ref.Linear:
+    """Input features split over TP (each rank computes a partial y; the caller reduces)."""
+    lin = ref.Linear(in_features // tp, out_features, dtype)
+    mark_tp(lin.weight, 1)
+    return lin
+
+
+class SPRMSNorm(ref.RMSNorm):
+    """The reference RMSNorm on a sequence shard: per-token math is unchanged, the weight's gradient
+    is a partial sum over this rank's positions, so it is marked for the TP sum."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        mark_replicated(self.weight)
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on `x` whose backward also sends d(total)/d(aux) = `weight` into `aux`'s graph, so a loss
+    computed in the middle of a pipeline stage (the indexer KL loss) trains without travelling to the
+    last stage (the same device as megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, x, aux, weight: float):
+        ctx.weight = weight
+        ctx.save_for_backward(aux)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.weight), None
+
+
+# ================================================================================================ embedding
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the vocabulary split over TP; the partial lookups are summed (and sequence-split)."""
+
+    def __init__(self, cfg: ModelConfig, ranks: Ranks):
+        super().__init__()
+        self.tp, self.tp_rank = ranks.tp, ranks.tp_rank
+        self.rows = cfg.vocab_size // ranks.tp
+        self.weight = mark_tp(nn.Parameter(torch.empty(self.rows, cfg.dim, dtype=ref.torch_dtype(cfg))), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, S] -> [B, S/TP, dim]."""
+        if self.tp == 1:
+            return F.embedding(ids, self.weight)
+        start = self.tp_rank * self.rows
+        outside = (ids < start) | (ids >= start + self.rows)
+        out = F.embedding((ids - start).masked_fill(outside, 0), self.weight)
+        return sp_reduce_scatter(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+# ================================================================================================ attention
+class ParallelAttention(nn.Module):
+    """dsv4.model.Attention with the heads (and their output groups) split over TP. The query/KV
+    projections, compressor and indexer are replicated: one latent KV head serves all heads (MQA)."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig, ranks: Ranks):
+        super().__init__()
+        self.cfg, self.layer_id, self.tp = cfg, layer_id, ranks.tp
+        self.ratio = cfg.layer_ratio(layer_id)
+        dt = ref.torch_dtype(cfg)
+        tp, H, D = ranks.tp, cfg.n_heads, cfg.head_dim
+        self.n_local_heads, self.n_local_groups = H // tp, cfg.o_groups // tp
+        self.head_dim, self.softmax_scale = D, D ** -0.5
+        self.attn_sink = mark_tp(nn.Parameter(torch.zeros(H // tp, dtype=torch.float32)), 0)
+        self.wq_a = ref.Linear(cfg.dim, cfg.q_lora_rank, dt)
+        self.q_norm = ref.RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = column_linear(cfg.q_lora_rank, H * D, dt, tp)
+        self.wkv = ref.Linear(cfg.dim, D, dt)
+        self.kv_norm = ref.RMSNorm(D, cfg.norm_eps)
+        self.wo_a = column_linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dt, tp)
+        self.wo_b = row_linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dt, tp)
+        if self.ratio:
+            self.compressor = ref.Compressor(cfg, self.ratio, D)
+        if self.ratio == 4:
+            self.indexer = ref.Indexer(cfg)
+        for name, p in self.named_parameters():
+            if not getattr(p, "tensor_model_parallel", False):
+                mark_replicated(p)
+        self.register_buffer("freqs", ref.layer_rope_freqs(cfg, layer_id), persistent=False)
+
+    def forward(self, x_sp: torch.Tensor, aux_weight: float | None = None) -> torch.Tensor:
+        """x_sp [B, S/TP, dim] -> [B, S/TP, dim]. aux_weight: when set (ratio-4 layers), the indexer KL
+        loss joins the backward with this weight."""
+        cfg = self.cfg
+        x = sp_gather(x_sp)
+        B, S, _ = x.shape
+        cos, sin = ref.rope_cos_sin(self.freqs, torch.arange(S, device=x.device))
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))
+        q = ref.rope_tail(ref.rms_norm(q, None, cfg.norm_eps), cos, sin)
+        kv = ref.rope_tail(self.kv_norm(self.wkv(x)), cos, sin)
+        if cfg.qat_kv_fp8:
+            kv = ref._kv_fp8_qat(kv, cfg.rope_head_dim)
+        idx = ref.window_topk_idxs(S, cfg.window_size, x.device).expand(B, -1, -1)
+        kv_all, cmp_idx, index_logits = kv, None, None
+        if self.ratio:
+            kv_all = torch.cat([kv, self.compressor(x, self.freqs)], dim=1)
+            if self.ratio == 4:
+                cmp_idx, index_logits = self.indexer(x.detach(), qr.detach(), cos, sin, self.freqs)
+                idx_c = torch.where(cmp_idx >= 0, cmp_idx + S, -1)
+            else:
+                idx_c = ref.compress_topk_idxs(S, self.ratio, S, x.device).expand(B, -1, -1)
+            idx = torch.cat([idx, idx_c], dim=-1)
+        idx = idx.int().contiguous()
+        o = ref.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale, impl=cfg.attn_impl)
+        o = ref.rope_tail(o, cos, sin, inverse=True)
+        out = sp_reduce_scatter(self.wo_b(ref.grouped_output(o, self.wo_a.weight, self.n_local_groups)))
+        if aux_weight is not None and index_logits is not None:
+            out = AttachAuxLoss.apply(out, self.indexer_loss(q, kv_all, idx, cmp_idx, index_logits, S), aux_weight)
+        return out
+
+    def indexer_loss(self, q, kv_all, idx, cmp_idx, index_logits, S) -> torch.Tensor:
+        """The reference KL loss; its target sums attention over ALL heads, so the heads are gathered.
+        Every TP rank then holds the whole loss: its gradient is divided by TP because the replicated
+        indexer's gradients are summed over TP."""
+        with torch.no_grad():
+            _, lse = kref.sparse_attn_gather_lse(q, kv_all, self.attn_sink, idx, self.softmax_scale)
+            q_all = tp_all_gather_nograd(q.detach(), dim=2)
+            lse_all = tp_all_gather_nograd(lse, dim=2)
+        loss = ref.indexer_kl_loss(index_logits, cmp_idx, q_all, kv_all[:, S:].detach(), lse_all, self.softmax_scale)
+        self.last_indexer_loss = loss.detach()
+        return loss / self.tp
+
+
+# ================================================================================================ MoE
+class ParallelMoE(nn.Module):
+    """dsv4.model.MoE with routed experts split over EP (token dispatch by all_to_all) and, with ETP = TP,
+    each expert's FFN split over TP; the shared expert is split over TP.
+
+    Tokens: with ETP = 1 each rank routes its own sequence shard and experts are whole; with ETP = TP the
+    TP group gathers the sequence, every TP rank routes the same tokens and computes its FFN slice."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig, ranks: Ranks):
+        super().__init__()
+        self.cfg, self.tp, self.etp = cfg, ranks.tp, ranks.etp
+        dt = ref.torch_dtype(cfg)
+        self.gate = _replicate_all(ref.Gate(layer_id, cfg))
+        self.n_local = cfg.n_routed_experts // ranks.ep
+        first = ranks.ep_rank * self.n_local
+        self.experts = nn.ModuleDict({str(e): self._expert(cfg, dt, cfg.moe_inter_dim, ranks.etp, cfg.swiglu_limit)
+                                      for e in range(first, first + self.n_local)})
+        for p in self.experts.parameters():
+            mark_expert(p)
+        limit = cfg.swiglu_limit if cfg.shared_expert_clamp else 0.0
+        self.shared_experts = self._expert(cfg, dt, cfg.moe_inter_dim, ranks.tp, limit)
+
+    @staticmethod
+    def _expert(cfg, dt, inter: int, split: int, limit: float) -> ref.Expert:
+        e = ref.Expert(cfg.dim, inter // split, dt, limit)
+        if split > 1:
+            mark_tp(e.w1.weight, 0), mark_tp(e.w3.weight, 0), mark_tp(e.w2.weight, 1)
+        return e
+
+    def forward(self, x_sp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x_sp [B, S/TP, dim], ids [B, S] (whole sequence) -> [B, S/TP, dim]."""
+        d, dtype = x_sp.shape[-1], x_sp.dtype
+        if self.etp > 1:
+            x = sp_gather(x_sp)                                            # the TP group shares the tokens
+            xt, tok_ids = x.reshape(-1, d), ids.reshape(-1)
+        else:
+            xt, tok_ids = x_sp.reshape(-1, d), sp_slice(ids).reshape(-1)    # this rank's own tokens
+        weights, idx = self.gate(xt, tok_ids)
+        self.last_expert_idx = idx.detach()
+        y = self.routed(xt, weights, idx)                                  # fp32; partial over TP iff ETP > 1
+        if self.tp == 1:
+            return (y + self.shared_experts(xt).float()).to(dtype).view(x_sp.shape)
+        if self.etp > 1:
+            y = y + self.shared_experts(xt).float()
+            return sp_reduce_scatter(y.to(dtype).view(x.shape))
+        shared = sp_reduce_scatter(self.shared_experts(sp_gather(x_sp)))
+        return (y.to(dtype).view(x_sp.shape) + shared)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """sum_j w_j expert_{idx_j}(x) for every token, fp32 [T, dim]. Assignments are sorted by expert
+        (tokens ascending within an expert, as the reference loop visits them), sent to the EP rank that
+        holds the expert, computed there, sent back and added up."""
+        from megatron.core import parallel_state as ps
+        P = ps.get_expert_model_parallel_world_size()
+        if P == 1:
+            return self._routed_local(x, weights, idx)
+        T, k = idx.shape
+        E = self.cfg.n_routed_experts
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = order // k
+        counts = torch.bincount(flat, minlength=E)                         # assignments per expert
+        send_x, send_w = x[tok], weights.reshape(-1)[order].unsqueeze(-1)
+        from megatron.core.tensor_parallel import all_to_all
+        ep_group = ps.get_expert_model_parallel_group()
+        send_counts = counts.view(P, self.n_local)                         # row p: experts held by EP rank p
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=ep_group)
+        splits_out, splits_in = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        recv_x = all_to_all(ep_group, send_x, splits_in, splits_out)
+        recv_w = all_to_all(ep_group, send_w, splits_in, splits_out)
+        out = all_to_all(ep_group, self._run_local(recv_x, recv_w, recv_counts), splits_out, splits_in)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return y.index_add(0, tok, out.float())
+
+    def _routed_local(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """EP = 1: the reference loop itself (same ops in the same order, so gradients match bit for bit)."""
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            y = y.index_add(0, tok, self.experts[str(e)](x[tok], weights[tok, slot].unsqueeze(-1)).float())
+        return y
+
+    def _run_local(self, rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows arrive grouped by source rank, then by local expert (counts [sources, n_local]); regroup by
+        expert, run each expert once on all its rows, and restore the arrival order."""
+        per_expert = counts.sum(0).tolist()
+        if counts.shape[0] > 1:
+            expert_of_row = torch.arange(self.n_local, device=rows.device).repeat(counts.shape[0])
+            perm = torch.argsort(torch.repeat_interleave(expert_of_row, counts.reshape(-1)), stable=True)
+            rows, w = rows[perm], w[perm]
+        outs, start = [], 0
+        for expert, n in zip(self.experts.values(), per_expert):
+            if n:
+                outs.append(expert(rows[start:start + n], w[start:start + n]))
+            start += n
+        out = torch.cat(outs) if outs else rows[:0].clone()
+        if counts.shape[0] > 1:
+            out = out[torch.argsort(perm)]
+        return out
+
+
+# ================================================================================================ blocks
+class ParallelBlock(nn.Module):
+    """dsv4.model.Block: hyper-connection pre/post around attention and MoE, on sequence shards."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig, ranks: Ranks):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        hc, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
+        for sub in ("attn", "ffn"):
+            self.register_parameter(f"hc_{sub}_fn", mark_replicated(nn.Parameter(torch.empty(mix, hc * cfg.dim))))
+            self.register_parameter(f"hc_{sub}_base", mark_replicated(nn.Parameter(torch.empty(mix))))
+            self.register_parameter(f"hc_{sub}_scale", mark_replicated(nn.Parameter(torch.empty(3))))
+        self.attn = ParallelAttention(layer_id, cfg, ranks)
+        self.attn_norm = SPRMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = SPRMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = ParallelMoE(layer_id, cfg, ranks)
+
+    def _hc_pre(self, X, sub):
+        c = self.cfg
+        return ref.hc_pre(X, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                          getattr(self, f"hc_{sub}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+
+    def forward(self, X: torch.Tensor, ids: torch.Tensor, aux_weight: float | None = None) -> torch.Tensor:
+        """X [B, S/TP, hc, dim] streams, ids [B, S]."""
+        x, post, comb = self._hc_pre(X, "attn")
+        X = ref.hc_post(self.attn(self.attn_norm(x), aux_weight), X, post, comb)
+        x, post, comb = self._hc_pre(X, "ffn")
+        return ref.hc_post(self.ffn(self.ffn_norm(x), ids), X, post, comb)
+
+
+class ParallelMTPBlock(ParallelBlock):
+    """dsv4.model.MTPBlock. Runs over the whole (sequence-split) length with the next-token ids padded at
+    the end: every op is causal or per token, so positions 0..S-2 equal the reference's S-1 positions
+    and the padded last one is masked out of the loss."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig, ranks: Ranks):
+        super().__init__(layer_id, cfg, ranks)
+        dt = ref.torch_dtype(cfg)
+        self.e_proj = ref.Linear(cfg.dim, cfg.dim, dt)
+        self.h_proj = ref.Linear(cfg.dim, cfg.dim, dt)
+        self.enorm = SPRMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = SPRMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = SPRMSNorm(cfg.dim, cfg.norm_eps)
+        hc = cfg.hc_mult
+        self.hc_head_fn = nn.Parameter(torch.empty(hc, hc * cfg.dim))
+        self.hc_head_base = nn.Parameter(torch.empty(hc))
+        self.hc_head_scale = nn.Parameter(torch.empty(1))
+        for p in (self.e_proj.weight, self.h_proj.weight, self.hc_head_fn, self.hc_head_base, self.hc_head_scale):
+            mark_replicated(p)
+
+    def forward(self, H: torch.Tensor, next_ids: torch.Tensor, embed: VocabParallelEmbedding,
+                aux_weight: float | None = None) -> torch.Tensor:
+        e = self.enorm(embed(next_ids))
+        X = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(H))
+        return super().forward(X, next_ids, aux_weight)
