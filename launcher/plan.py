@@ -133,6 +133,8 @@ def job_env(cfg: Config, run_dir: str) -> dict[str, str]:
     if v["V4_HTTP_PROXY"]:
         env["http_proxy"] = env["https_proxy"] = v["V4_HTTP_PROXY"]
         env["no_proxy"] = ",".join(["127.0.0.1", "localhost", *cfg.nodes])
+    if v["PRESET_PLANT_NAN"]:
+        env["V4_PLANT_NAN"] = v["PRESET_PLANT_NAN"]
     if v["V4_TZ"]:
         env["TZ"] = v["V4_TZ"]
     return env

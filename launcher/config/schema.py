@@ -137,6 +137,7 @@ KEYS: list[Key] = [
     _k("PRESET_WEIGHT_DECAY", "float", 0.1, "preset", "AdamW weight decay"),
     _k("PRESET_SEED", "int", 1234, "preset", "seed for weights, data order and dropout"),
     _k("PRESET_STRICT_PREFLIGHT", "bool", 0, "preset", "treat preflight WARN as FAIL"),
+    _k("PRESET_PLANT_NAN", "str", "", "preset", "fault injection for tests: MODULE:STEP makes that module's output NaN at that step"),
     _k("PRESET_JOB_TIMEOUT", "float", 3600, "preset", "seconds a pipeline step may run before it is stopped"),
 ]
 
