@@ -88,7 +88,7 @@ class LocalNode:
             out, err = proc.communicate(timeout=timeout)
             return Result(self.name, proc.returncode, out, err)
         except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
+            _kill_group(proc)
             out, err = proc.communicate()
             return Result(self.name, TIMEOUT_RC, out, err + f"\n[{self.name}] timed out after {timeout:g} s; "
                           "its process group was killed")
@@ -105,16 +105,18 @@ class LocalNode:
         return replace(self, container="")
 
 
-def _kill_group(pgid: int, grace: float = 3.0) -> None:
+def _kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    """TERM, then KILL, the process group `proc` leads; reaps the leader so it does not linger."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(pgid, sig)
+            os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
+            proc.poll()
             try:
-                os.killpg(pgid, 0)
+                os.killpg(proc.pid, 0)
             except ProcessLookupError:
                 return
             time.sleep(0.05)

@@ -21,3 +21,33 @@ def netns_cluster():
         yield c
     finally:
         c.teardown()
+
+
+def _proc_env_has(pid: int, needle: bytes) -> bool:
+    try:
+        return needle in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return False
+
+
+def tagged_pids(prefix: str) -> list[int]:
+    """PIDs whose environment has a variable assignment starting with `prefix` (e.g. V4_RAY_SESSION=v4-netns)."""
+    import os
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                env = open(f"/proc/{d}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if any(e.startswith(prefix.encode()) for e in env):
+                out.append(int(d))
+    return out
+
+
+@pytest.fixture(scope="session")
+def netns_cfg(netns_cluster):
+    """The resolved configuration of the 3-host test cluster (hw=cpu)."""
+    from launcher.config import Selection, resolve
+    path = netns_cluster.env_file()
+    return resolve(Selection(cluster=str(path), hw="cpu"))

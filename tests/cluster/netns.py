@@ -101,6 +101,13 @@ class NetnsCluster:
             h.dir.mkdir()
             veth_out, veth_in = f"{PREFIX}{tag}v{i}", f"v4eth{i}"
             sh("ip", "netns", "add", h.ns)
+            # `ip netns exec` bind-mounts /etc/netns/NS/* over /etc: each host resolves its own
+            # name locally, and no DNS lookup waits on a server it cannot reach.
+            etc = Path("/etc/netns") / h.ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {h.hostname}\n" +
+                                       "".join(f"{self.subnet}.{j + 2} v4host{j}\n" for j in range(n) if j != i))
+            (etc / "resolv.conf").write_text("options timeout:1 attempts:1\n")
             sh("ip", "link", "add", veth_out, "type", "veth", "peer", "name", veth_in)
             sh("ip", "link", "set", veth_in, "netns", h.ns)
             sh("ip", "link", "set", veth_out, "master", self.bridge, "up")
@@ -222,6 +229,7 @@ Subsystem sftp internal-sftp
         kill_namespace_processes([h.ns for h in self.hosts])
         for h in self.hosts:
             sh("ip", "netns", "del", h.ns, check=False)
+            shutil.rmtree(Path("/etc/netns") / h.ns, ignore_errors=True)
         sh("ip", "link", "del", self.bridge, check=False)
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -288,6 +296,7 @@ def sweep_stale() -> None:
             if owner.isdigit() and not _pid_is_pytest(int(owner)):
                 kill_namespace_processes([name], grace=2)
                 sh("ip", "netns", "del", name, check=False)
+                shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
     for line in sh("ip", "-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
         if name.startswith(PREFIX) and name.endswith("br"):

@@ -1,0 +1,356 @@
+"""Ray on the configured nodes: render the per-node commands, bring up, tear down, report.
+
+The same rendered commands serve `--dry-run` (via `cluster_commands`) and the real bring-up.
+Readiness is what Ray's GCS says: exactly the expected node addresses, ALIVE, with the expected
+GPUs/CPUs. Processes are ours only if they carry the V4_RAY_SESSION token `up` gave them, so
+`down` never touches another Ray on the same host.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+from launcher.errors import ClusterError
+from launcher.node_scripts import source
+from launcher.nodes import Node, Result, fan_out, node_local_dir, nodes_from_config, python_on_nodes
+
+TEMPLATES = Path(__file__).parent / "templates"
+STATUS_SCHEMA = 1
+Progress = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@lru_cache(maxsize=1)
+def _jinja():
+    import jinja2
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True)
+    env.filters["q"] = lambda v: shlex.quote(str(v))
+    return env
+
+
+def render(template: str, **ctx) -> str:
+    return _jinja().get_template(template).render(**ctx)
+
+
+# --- the commands ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NodeCommands:
+    ip: str
+    role: str               # head | worker
+    local_dir: str
+    container: str          # runs on the host first: makes sure the container runs ("" = none)
+    start: str              # starts Ray (in the container, if any) and records its processes
+    stop: str               # stops exactly the processes `start` recorded
+    container_rm: str = ""
+
+    def display(self) -> list[str]:
+        """The commands as a plan shows them (the embedded node script abbreviated)."""
+        def short(script: str) -> str:
+            body = source("ray_procs")
+            return script.replace(body, "<launcher/node_scripts/ray_procs.py>\n")
+        return [c for c in (self.container, short(self.start)) if c]
+
+
+def expected_gpus(cfg) -> int:
+    # On hw=cpu, V4_NUM_GPUS_PER_NODE counts gloo processes, not devices Ray should advertise.
+    return int(cfg["V4_NUM_GPUS_PER_NODE"]) if cfg.get("HW_DEVICE", "cpu") == "cuda" else 0
+
+
+def expected_cpus(cfg) -> int | None:
+    raw = str(cfg.get("V4_RAY_NUM_CPUS", "") or "").strip()
+    return int(float(raw)) if raw else None
+
+
+def gcs_address(cfg) -> str:
+    return f"{cfg['V4_MASTER_IP']}:{cfg['V4_RAY_PORT']}"
+
+
+def dashboard_url(cfg) -> str:
+    return f"http://{cfg['V4_MASTER_IP']}:{cfg['V4_DASHBOARD_PORT']}"
+
+
+def _node_env(cfg) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if cfg.get("V4_HTTP_PROXY"):
+        proxy = str(cfg["V4_HTTP_PROXY"])
+        env.update(http_proxy=proxy, https_proxy=proxy, HTTP_PROXY=proxy, HTTPS_PROXY=proxy,
+                   no_proxy=",".join(["localhost", "127.0.0.1", *cfg.nodes]))
+        env["NO_PROXY"] = env["no_proxy"]
+    if cfg.get("V4_TZ"):
+        env["TZ"] = str(cfg["V4_TZ"])
+    if str(cfg["V4_MASTER_IP"]).startswith("127."):
+        # Otherwise Ray silently advertises the default-route address instead of loopback.
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    return env
+
+
+def cluster_commands(cfg, force: bool = False) -> list[NodeCommands]:
+    """Every node's bring-up and teardown commands, head first."""
+    python = python_on_nodes(cfg)
+    container, image = str(cfg.get("V4_CONTAINER", "") or ""), str(cfg.get("V4_IMAGE", "") or "")
+    if container and not image:
+        raise ClusterError(f"V4_CONTAINER={container} but V4_IMAGE is empty",
+                           fix="set V4_IMAGE in the cluster file, or empty V4_CONTAINER to run on the hosts")
+    common = dict(python=python, bin_dir=str(Path(python).parent), procs_py=source("ray_procs").rstrip("\n"),
+                  cluster_name=cfg["V4_CLUSTER_NAME"], master_ip=cfg["V4_MASTER_IP"],
+                  ray_port=cfg["V4_RAY_PORT"], dashboard_port=cfg["V4_DASHBOARD_PORT"],
+                  num_gpus=expected_gpus(cfg), num_cpus=expected_cpus(cfg), env=_node_env(cfg),
+                  socket_ifname=str(cfg.get("V4_SOCKET_IFNAME", "auto") or "auto"), force=force)
+    out = []
+    for i, ip in enumerate(cfg.nodes):
+        local = node_local_dir(cfg, ip)
+        ctx = dict(common, ip=ip, local_dir=local)
+        run_container = rm_container = ""
+        if container:
+            mounts = list(cfg.get("V4_DOCKER_MOUNTS", []) or [])
+            work = str(cfg["V4_WORK"])
+            # Paths are baked on the host and used inside: V4_WORK must be at the same path there.
+            if not any(m.split(":")[1:2] == [work] for m in mounts):
+                mounts.append(f"{work}:{work}")
+            if not any(m.split(":")[1:2] == [local] for m in mounts):
+                mounts.append(f"{local}:{local}")
+            run_container = render("container_run.sh.j2", **ctx, container=container, image=image,
+                                   gpus=expected_gpus(cfg) > 0, shm_size=cfg.get("V4_CONTAINER_SHM_SIZE", "200g"),
+                                   mounts=mounts, workdir=work)
+            rm_container = render("container_rm.sh.j2", **ctx, container=container)
+        out.append(NodeCommands(
+            ip=ip, role="head" if i == 0 else "worker", local_dir=local, container=run_container,
+            start=render("ray_head.sh.j2" if i == 0 else "ray_worker.sh.j2", **ctx),
+            stop=render("ray_stop.sh.j2", **ctx), container_rm=rm_container))
+    return out
+
+
+# --- what is running ----------------------------------------------------------------------------
+
+@dataclass
+class NodeState:
+    ip: str
+    role: str
+    reachable: bool = True
+    error: str = ""
+    recorded: bool = False                                  # our ray_procs.json exists there
+    procs: list[dict] = field(default_factory=list)         # recorded processes with `alive`
+    gcs_state: str = "missing"                              # ALIVE | DEAD | missing
+    hostname: str = ""
+    resources: dict = field(default_factory=dict)
+
+    def proc(self, name: str) -> dict | None:
+        return next((p for p in self.procs if p["name"] == name), None)
+
+
+@dataclass
+class ClusterStatus:
+    cluster: str
+    head: str
+    gcs: str
+    dashboard: str
+    gcs_ok: bool = False
+    gcs_error: str = ""
+    dashboard_ok: bool = False
+    nodes: list[NodeState] = field(default_factory=list)
+    extra_nodes: list[dict] = field(default_factory=list)    # ALIVE in the GCS but not configured
+    jobs: list[dict] | None = None
+    problems: list[str] = field(default_factory=list)
+    changed: bool = False                                    # set by `up` when it started anything
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {"schema": STATUS_SCHEMA, **asdict(self), "healthy": self.healthy}
+
+
+def _probe_gcs(cfg, head: Node, timeout: float = 45) -> dict:
+    cmd = (f"{shlex.quote(python_on_nodes(cfg))} - {gcs_address(cfg)} {dashboard_url(cfg)} "
+           f"<<'V4_GCS'\n{source('ray_gcs')}V4_GCS\n")
+    r = head.run(cmd, timeout=timeout)
+    if not r.ok:
+        return {"gcs_ok": False, "error": f"probe on {head.name} failed (rc {r.rc}): {r.tail(5)}",
+                "nodes": [], "dashboard_ok": False, "jobs": None}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _procs_status(cfg, node: Node) -> dict:
+    local = node_local_dir(cfg, node.name)
+    cmd = (f"if [ -s {shlex.quote(local)}/ray_procs.json ]; then {shlex.quote(python_on_nodes(cfg))} - status "
+           f"{shlex.quote(local)} <<'V4_PROCS'\n{source('ray_procs')}V4_PROCS\nelse echo '{{\"recorded\": false}}'; fi")
+    r = node.run(cmd, timeout=30)
+    if not r.ok:
+        raise ConnectionError(r.tail(5))
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _judge(cfg, st: ClusterStatus, gcs: dict) -> None:
+    """Fill the GCS view into `st` and list every way it differs from the configuration."""
+    st.gcs_ok, st.gcs_error = gcs["gcs_ok"], gcs.get("error", "")
+    st.dashboard_ok, st.jobs = gcs.get("dashboard_ok", False), gcs.get("jobs")
+    alive = {n["ip"]: n for n in gcs["nodes"] if n["state"] == "ALIVE"}
+    dead = {n["ip"]: n for n in gcs["nodes"] if n["state"] == "DEAD"}
+    gpus, cpus = expected_gpus(cfg), expected_cpus(cfg)
+    if not st.gcs_ok:
+        st.problems.append(f"Ray GCS at {st.gcs}: {st.gcs_error}")
+    for ns in st.nodes:
+        n = alive.get(ns.ip) or dead.get(ns.ip)
+        if n:
+            ns.gcs_state, ns.hostname, ns.resources = n["state"], n["hostname"], n["resources"]
+        if not ns.reachable:
+            st.problems.append(f"{ns.ip} ({ns.role}): unreachable: {ns.error}")
+        if st.gcs_ok and ns.gcs_state != "ALIVE":
+            st.problems.append(f"{ns.ip} ({ns.role}): {'DEAD' if ns.gcs_state == 'DEAD' else 'not registered'} "
+                               "in the Ray GCS")
+        if ns.gcs_state == "ALIVE":
+            have_gpu, have_cpu = ns.resources.get("GPU", 0), ns.resources.get("CPU", 0)
+            if have_gpu != gpus:
+                st.problems.append(f"{ns.ip}: Ray sees {have_gpu:g} GPU(s), expected {gpus}")
+            if cpus is not None and have_cpu != cpus:
+                st.problems.append(f"{ns.ip}: Ray sees {have_cpu:g} CPU(s), expected {cpus} (V4_RAY_NUM_CPUS)")
+        for p in ns.procs:
+            if not p["alive"] and p["name"] in ("raylet", "gcs_server"):
+                st.problems.append(f"{ns.ip}: {p['name']} (pid {p['pid']}, started by v4) is not running")
+    expected = {ns.ip for ns in st.nodes}
+    st.extra_nodes = [n for ip, n in alive.items() if ip not in expected]
+    for n in st.extra_nodes:
+        st.problems.append(f"{n['ip']} ({n['hostname']}): ALIVE in the Ray GCS but not in the cluster file")
+    if st.gcs_ok and not st.dashboard_ok:
+        st.problems.append(f"dashboard / Jobs API at {st.dashboard} does not answer")
+
+
+def status(cfg, nodes: list[Node] | None = None, *, procs: bool = True) -> ClusterStatus:
+    """The cluster as it is: per-node recorded processes, the GCS's node table, jobs, problems."""
+    nodes = nodes or nodes_from_config(cfg)
+    st = ClusterStatus(cluster=str(cfg["V4_CLUSTER_NAME"]), head=cfg.nodes[0], gcs=gcs_address(cfg),
+                       dashboard=dashboard_url(cfg),
+                       nodes=[NodeState(ip=n.name, role="head" if i == 0 else "worker") for i, n in enumerate(nodes)])
+    if procs:
+        for ns, res in zip(st.nodes, fan_out(nodes, lambda n: _procs_status(cfg, n),
+                                             on_error=lambda n, e: {"error": f"{type(e).__name__}: {e}"})):
+            if "error" in res:
+                ns.reachable, ns.error = False, res["error"]
+            else:
+                ns.recorded, ns.procs = res["recorded"], res.get("procs", [])
+    if st.nodes[0].reachable:
+        try:
+            gcs = _probe_gcs(cfg, nodes[0])
+        except Exception as e:   # noqa: BLE001 - becomes a problem line
+            gcs = {"gcs_ok": False, "error": f"{type(e).__name__}: {e}", "nodes": []}
+    else:
+        gcs = {"gcs_ok": False, "error": "head unreachable", "nodes": []}
+    _judge(cfg, st, gcs)
+    return st
+
+
+# --- up / down ----------------------------------------------------------------------------------
+
+def _needs_start(ns: NodeState) -> bool:
+    raylet = ns.proc("raylet")
+    return not (ns.gcs_state == "ALIVE" and raylet is not None and raylet["alive"])
+
+
+def _check(results: list[Result], what: str) -> None:
+    bad = [r for r in results if not r.ok]
+    if bad:
+        detail = "\n".join(f"  {r.node}: rc {r.rc}: {r.tail(12)}" for r in bad)
+        raise ClusterError(f"{what} failed on {', '.join(r.node for r in bad)}:\n{detail}",
+                           fix="read the output above; `v4 cluster status` shows what is running")
+
+
+def up(cfg, nodes: list[Node] | None = None, progress: Progress = _stderr) -> ClusterStatus:
+    """Bring Ray up on every node, head first; a healthy cluster is left as it is."""
+    nodes = nodes or nodes_from_config(cfg)
+    cmds = cluster_commands(cfg)
+    t0 = time.monotonic()
+    st = status(cfg, nodes)
+    if st.healthy:
+        progress(f"cluster {st.cluster}: already up ({len(st.nodes)} nodes ALIVE); nothing to do")
+        return st
+    down_nodes = [ns.ip for ns in st.nodes if not ns.reachable]
+    if down_nodes:
+        raise ClusterError(f"cannot reach {', '.join(down_nodes)}: " +
+                           "; ".join(ns.error for ns in st.nodes if not ns.reachable),
+                           fix="run `v4 preflight --only ssh` and fix SSH access first")
+    head = st.nodes[0]
+    if st.gcs_ok and not head.recorded:
+        raise ClusterError(f"a Ray that v4 did not start answers at {st.gcs}",
+                           fix="stop it, or choose another V4_RAY_PORT / V4_DASHBOARD_PORT")
+    by_ip = {n.name: n for n in nodes}
+    if cmds[0].container:
+        progress(f"containers: ensuring {cfg['V4_CONTAINER']} runs {cfg['V4_IMAGE']} on {len(nodes)} node(s)")
+        _check(fan_out(nodes, lambda n: n.host().run(next(c for c in cmds if c.ip == n.name).container)),
+               "docker run")
+    if _needs_start(head) or not st.gcs_ok:
+        progress(f"head {head.ip}: starting Ray (GCS :{cfg['V4_RAY_PORT']}, dashboard :{cfg['V4_DASHBOARD_PORT']})")
+        _check([by_ip[head.ip].run(cmds[0].start)], "ray start (head)")
+        todo = cmds[1:]                       # a new head: every worker must (re)join it
+    else:
+        todo = [c for c, ns in zip(cmds[1:], st.nodes[1:]) if _needs_start(ns)]
+    if todo:
+        progress(f"workers: starting Ray on {', '.join(c.ip for c in todo)}")
+        _check(fan_out([by_ip[c.ip] for c in todo], lambda n: n.run(next(c for c in todo if c.ip == n.name).start)),
+               "ray start (worker)")
+    st = wait_ready(cfg, nodes, progress=progress)
+    st.changed = True
+    progress(f"cluster {st.cluster}: ready, {len(st.nodes)} node(s) in {time.monotonic() - t0:.1f} s")
+    return st
+
+
+def wait_ready(cfg, nodes: list[Node], progress: Progress = _stderr, timeout: float | None = None) -> ClusterStatus:
+    """Poll the GCS until it reports exactly the expected nodes with their resources."""
+    timeout = float(cfg["V4_RAY_READY_TIMEOUT"]) if timeout is None else timeout
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        st = status(cfg, nodes, procs=False)
+        alive = [ns.ip for ns in st.nodes if ns.gcs_state == "ALIVE"]
+        line = (f"ray: {len(alive)}/{len(st.nodes)} nodes registered"
+                + (f"; waiting for: {'; '.join(st.problems)}" if st.problems else ""))
+        if line != last:
+            progress(line)
+            last = line
+        if st.healthy:
+            return status(cfg, nodes)          # the full view, with recorded processes
+        if time.monotonic() > deadline:
+            missing = [ns.ip for ns in st.nodes if ns.gcs_state != "ALIVE"]
+            raise ClusterError(
+                f"Ray not ready after {timeout:g} s (V4_RAY_READY_TIMEOUT): " + "; ".join(st.problems),
+                fix=(f"look at <V4_LOCAL_DIR>/ray_start.log and ray/session_latest/logs/raylet.out on "
+                     f"{', '.join(missing)}" if missing else "see `v4 cluster status`"))
+        time.sleep(1.0)
+
+
+def down(cfg, nodes: list[Node] | None = None, force: bool = False,
+         progress: Progress = _stderr) -> list[dict]:
+    """Stop the Ray processes this tool started, workers and head in parallel; per-node report."""
+    nodes = nodes or nodes_from_config(cfg)
+    cmds = {c.ip: c for c in cluster_commands(cfg, force=force)}
+
+    def stop(n: Node) -> dict:
+        c = cmds[n.name]
+        r = n.run(c.stop, timeout=120)
+        rep = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok and r.stdout.strip() else {}
+        if c.container_rm:
+            rc = n.host().run(c.container_rm, timeout=120)
+            rep["container_removed"] = rc.ok
+        rep.update(node=n.name, ok=r.ok and not rep.get("remaining"), error="" if r.ok else r.tail(8))
+        return rep
+
+    reports = fan_out(nodes, stop, on_error=lambda n, e: {"node": n.name, "ok": False,
+                                                          "error": f"{type(e).__name__}: {e}"})
+    for rep in reports:
+        if not rep["ok"]:
+            progress(f"{rep['node']}: stop failed: {rep.get('error') or 'still running: %s' % rep.get('remaining')}")
+        elif not rep.get("recorded"):
+            progress(f"{rep['node']}: no Ray started by v4 here")
+        else:
+            progress(f"{rep['node']}: stopped {len(rep['stopped'])} recorded Ray process(es)")
+    return reports

@@ -1,0 +1,143 @@
+"""Record, inspect and stop the Ray processes the launcher started on this node.
+
+Usage: python - record|status|stop LOCAL_DIR  (script on stdin; prints JSON)
+
+Every process of a launcher-started Ray carries V4_RAY_SESSION=<token> in its environment (set
+before `ray start`; Ray's daemons and workers inherit it). That token, not a process name, is
+what makes a process ours: another user's Ray on the same host never carries it.
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+RECORD = "ray_procs.json"
+
+
+def proc_stat(pid):
+    """(state, start time in clock ticks since boot) from /proc/PID/stat; the start time guards
+    against PID reuse."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[19])
+
+
+def proc_start(pid):
+    return proc_stat(pid)[1]
+
+
+def proc_name(pid):
+    """raylet, gcs_server, dashboard, ray::IDLE, ...: the role, from the binary or the script run."""
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        comm = open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return "?"
+    if comm in ("raylet", "gcs_server") or argv[0].startswith("ray::"):
+        return comm if comm in ("raylet", "gcs_server") else argv[0].split()[0]
+    args = argv[1:]
+    for i, a in enumerate(args):
+        if a == "-m" and i + 1 < len(args):
+            return {"ray.util.client.server": "client_server"}.get(args[i + 1], args[i + 1])
+        if a.endswith(".py"):
+            return os.path.basename(a)[:-3]
+        if a == "-c":
+            return "python -c"
+    return comm
+
+
+def marked(token):
+    """PIDs whose environment holds V4_RAY_SESSION=token."""
+    needle = f"V4_RAY_SESSION={token}".encode()
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                env = open(f"/proc/{d}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if needle in env:
+                out.append(int(d))
+    return sorted(out)
+
+
+def alive(p):
+    """Still running: same start time (not a reused PID) and not a zombie nobody reaped."""
+    try:
+        state, start = proc_stat(p["pid"])
+    except (OSError, IndexError, ValueError):
+        return False
+    return start == p["start"] and state != "Z"
+
+
+def load(local_dir):
+    try:
+        with open(os.path.join(local_dir, RECORD)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def record(local_dir):
+    token = open(os.path.join(local_dir, "ray.session")).read().strip()
+    procs = []
+    for pid in marked(token):
+        try:
+            procs.append({"pid": pid, "start": proc_start(pid), "name": proc_name(pid)})
+        except OSError:
+            pass
+    rec = {"session": token, "recorded_at": time.time(), "procs": procs}
+    tmp = os.path.join(local_dir, RECORD + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(rec, f, indent=1)
+    os.replace(tmp, os.path.join(local_dir, RECORD))
+    return rec
+
+
+def status(local_dir):
+    rec = load(local_dir)
+    if rec is None:
+        return {"recorded": False, "procs": [], "unrecorded_alive": []}
+    recorded = {p["pid"] for p in rec["procs"]}
+    procs = [dict(p, alive=alive(p)) for p in rec["procs"]]
+    return {"recorded": True, "session": rec["session"], "procs": procs,
+            "unrecorded_alive": [p for p in marked(rec["session"]) if p not in recorded]}
+
+
+def stop(local_dir, grace=5.0):
+    rec = load(local_dir)
+    if rec is None:
+        return {"recorded": False, "stopped": [], "remaining": []}
+    token = rec["session"]
+    # Recorded processes (start time checked) plus anything else carrying our token (workers).
+    targets = {p["pid"] for p in rec["procs"] if alive(p)} | set(marked(token))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in sorted(targets):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + grace
+        while time.time() < deadline and [p for p in targets if os.path.exists(f"/proc/{p}")
+                                          and _not_zombie(p)]:
+            time.sleep(0.1)
+        targets = {p for p in targets if os.path.exists(f"/proc/{p}") and _not_zombie(p)} | set(marked(token))
+        if not targets:
+            break
+    remaining = sorted(targets)
+    if not remaining:
+        os.replace(os.path.join(local_dir, RECORD), os.path.join(local_dir, RECORD + ".stopped"))
+    return {"recorded": True, "stopped": sorted({p["pid"] for p in rec["procs"]}), "remaining": remaining}
+
+
+def _not_zombie(pid):
+    try:
+        return proc_stat(pid)[0] != "Z"
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+if __name__ == "__main__":
+    action, local_dir = sys.argv[1], sys.argv[2]
+    print(json.dumps({"record": record, "status": status, "stop": stop}[action](local_dir)))
