@@ -1,0 +1,612 @@
+"""DeepSeek-V4 checkpoints: official <-> HF names, a random checkpoint in the released layout, and a
+streaming FP8/MXFP4 -> BF16 dequantizer.
+
+Released layout (official names, e.g. `layers.0.attn.wq_a.weight` + `layers.0.attn.wq_a.scale`):
+  * FP8 linears: e4m3 [N, K] + e8m0 (or fp32) scales [ceil(N/128), ceil(K/128)];
+  * routed experts (MXFP4): int8 [N, K/2], two e2m1 codes per byte (low nibble = even column) + e8m0 [N, K/32];
+  * attn_sink, hc_*, ape, gate.bias: fp32; gate.tid2eid: int32; everything else bf16.
+`ModelConfig.storage_format(name)` says which is which; `ModelConfig.param_shapes()` gives logical shapes.
+
+BF16 output of the dequantizer: quantized and bf16 tensors become bf16; fp32 and int32 tensors keep their dtype
+(the sink, hyper-connection and ape parameters must stay fp32). Names are HF by default (`model.layers.0.
+self_attn.wq_a.weight`), or official.
+
+Shards are written by our own streaming safetensors writer: the header is known in advance from the plan, tensor
+bytes are appended one tensor at a time (memory stays bounded by the largest tensor), the file is fsynced under a
+`.tmp` name and renamed, so a shard file that exists is complete. The dequantizer keeps its plan in
+`.dequantize-plan.json` and resumes by skipping shards that exist and whose header and size match the plan.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from dsv4 import quant
+from dsv4.config import ModelConfig
+
+INDEX = "model.safetensors.index.json"
+PLAN = ".dequantize-plan.json"
+SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+DEFAULT_SHARD_BYTES = 4 << 30
+
+Progress = Callable[[int, int, str], None]   # (bytes done, bytes total, current tensor name)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match what is expected (missing/extra tensors, wrong shapes, bad files)."""
+
+
+# ================================================================================================ names
+_HF_COMPONENT = {"attn": "self_attn", "ffn": "mlp", "attn_norm": "input_layernorm",
+                 "ffn_norm": "post_attention_layernorm"}
+_HF_EXPERT_W = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_OFF_COMPONENT = {v: k for k, v in _HF_COMPONENT.items()}
+_OFF_EXPERT_W = {v: k for k, v in _HF_EXPERT_W.items()}
+
+
+def official_to_hf(name: str, n_layers: int) -> str:
+    """Official name (weights and `.scale` tensors) -> HF name. MTP block k becomes model.layers.{n_layers+k}."""
+    top = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight"}
+    if name in top:
+        return top[name]
+    if name.startswith("hc_head_"):
+        return "model." + name
+    parts = name.split(".")
+    if parts[0] == "layers":
+        prefix, rest = ["model", "layers", parts[1]], parts[2:]
+    elif parts[0] == "mtp":
+        prefix, rest = ["model", "layers", str(n_layers + int(parts[1]))], parts[2:]
+        if rest == ["norm", "weight"]:
+            return ".".join(prefix + ["shared_head", "norm", "weight"])
+        if rest and rest[0] == "head":
+            return ".".join(prefix + ["shared_head"] + rest)
+    else:
+        raise KeyError(f"official name {name!r} is not a DeepSeek-V4 parameter name")
+    out = []
+    for i, p in enumerate(rest):
+        prev = rest[i - 1] if i else ""
+        if i == 0 and p in _HF_COMPONENT:
+            p = _HF_COMPONENT[p]
+        elif p in _HF_EXPERT_W:                      # only experts.{e}.w* and shared_experts.w* exist
+            p = _HF_EXPERT_W[p]
+        elif prev == "gate" and p == "bias":
+            p = "e_score_correction_bias"
+        elif prev == "gate" and p == "tid2eid":
+            out[-1] = "topk"
+        elif p == "scale" and i == len(rest) - 1:
+            p = "weight_scale_inv"
+        out.append(p)
+    return ".".join(prefix + out)
+
+
+def hf_to_official(name: str, n_layers: int) -> str:
+    """Inverse of official_to_hf."""
+    top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "model.norm.weight": "norm.weight"}
+    if name in top:
+        return top[name]
+    if name.startswith("model.hc_head_"):
+        return name[len("model."):]
+    parts = name.split(".")
+    if parts[:2] != ["model", "layers"] or len(parts) < 4:
+        raise KeyError(f"HF name {name!r} is not a DeepSeek-V4 parameter name")
+    layer, rest = int(parts[2]), parts[3:]
+    prefix = ["layers", str(layer)] if layer < n_layers else ["mtp", str(layer - n_layers)]
+    if layer >= n_layers and rest[0] == "shared_head":
+        return ".".join(prefix + rest[1:])
+    out = []
+    for i, p in enumerate(rest):
+        if i == 0 and p in _OFF_COMPONENT:
+            p = _OFF_COMPONENT[p]
+        elif p in _OFF_EXPERT_W:
+            p = _OFF_EXPERT_W[p]
+        elif p == "e_score_correction_bias":
+            p = "bias"
+        elif p == "topk":
+            p = "gate"
+        elif p == "weight_scale_inv":
+            p = "scale"
+        out.append(p)
+    return ".".join(prefix + out)
+
+
+def name_map(cfg: ModelConfig) -> dict[str, str]:
+    """Every tensor name of the released layout (weights and scales) -> its HF name."""
+    return {n: official_to_hf(n, cfg.n_layers) for n, _, _ in checkpoint_entries(cfg)}
+
+
+# ================================================================================================ layout
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+              torch.float8_e8m0fnu: "F8_E8M0"}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+_ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in _TORCH_DTYPES.items()}
+
+
+def _scale_name(weight_name: str) -> str:
+    return weight_name[: -len(".weight")] + ".scale"
+
+
+def checkpoint_entries(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Tensors of the released layout as (official name, safetensors dtype, shape), in parameter order,
+    without allocating anything. A quantized weight is followed by its `.scale`."""
+    out = []
+    block = 128
+    for name, shape in cfg.param_shapes().items():
+        fmt = cfg.storage_format(name)
+        if fmt == "fp8":
+            out.append((name, "F8_E4M3", shape))
+            sdt = "F8_E8M0" if cfg.scale_dtype == "fp8" else "F32"
+            out.append((_scale_name(name), sdt, (-(-shape[0] // block), -(-shape[1] // block))))
+        elif fmt == "fp4":
+            out.append((name, "I8", (shape[0], shape[1] // 2)))
+            out.append((_scale_name(name), "F8_E8M0", (shape[0], shape[1] // 32)))
+        else:
+            out.append((name, {"bf16": "BF16", "fp32": "F32", "int32": "I32"}[fmt], shape))
+    return out
+
+
+def _nbytes(dtype: str, shape: Iterable[int]) -> int:
+    n = _ITEMSIZE[dtype]
+    for s in shape:
+        n *= s
+    return n
+
+
+def _shard_groups(items: list[tuple[str, int]], shard_bytes: int) -> list[list[str]]:
+    """Split (group key, bytes) into consecutive shards of at most shard_bytes (a group larger than that
+    gets a shard of its own)."""
+    shards, cur, size = [], [], 0
+    for key, n in items:
+        if cur and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(key)
+        size += n
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def shard_file_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+# ================================================================================================ safetensors io
+def read_header(path: str | Path) -> tuple[dict, int]:
+    """(tensor name -> {dtype, shape, data_offsets}, offset of the data section)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{path}: too short for a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 << 20:
+            raise CheckpointError(f"{path}: header length {n} is implausible; not a safetensors file")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class ShardWriter:
+    """Streams tensors into one safetensors file whose header (names, dtypes, shapes) is fixed up front."""
+
+    def __init__(self, path: str | Path, entries: list[tuple[str, str, tuple[int, ...]]]):
+        self.path, self.entries, self.next = Path(path), entries, 0
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, dtype, shape in entries:
+            n = _nbytes(dtype, shape)
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)              # data section 8-byte aligned
+        self.size = 8 + len(raw) + offset
+        self.f = open(self.path, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        want_name, dtype, shape = self.entries[self.next]
+        if name != want_name or _ST_DTYPES.get(t.dtype) != dtype or tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path.name}: expected {want_name} {dtype} {list(shape)}, got {name} "
+                                  f"{_ST_DTYPES.get(t.dtype, t.dtype)} {list(t.shape)}")
+        self.f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        self.next += 1
+
+    def close(self) -> None:
+        if self.next != len(self.entries):
+            raise CheckpointError(f"{self.path.name}: {len(self.entries) - self.next} tensors not written")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+    def abort(self) -> None:
+        self.f.close()
+
+
+def _shard_is_complete(path: Path, entries: list) -> bool:
+    """A finished shard: same tensors, dtypes and shapes as planned, and the file is as long as its header says."""
+    if not path.is_file():
+        return False
+    try:
+        header, data_start = read_header(path)
+    except (CheckpointError, ValueError, OSError):
+        return False
+    if list(header) != [e[0] for e in entries]:
+        return False
+    end = 0
+    for name, dtype, shape in entries:
+        h = header[name]
+        if h["dtype"] != dtype or tuple(h["shape"]) != tuple(shape):
+            return False
+        end = max(end, h["data_offsets"][1])
+    return path.stat().st_size == data_start + end
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_index(directory: Path, weight_map: dict[str, str], total: int) -> None:
+    _atomic_write_text(directory / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                     indent=1) + "\n")
+
+
+def _check_destination(out: Path, force: bool, what: str) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; choose another output path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"{out} is not empty; refusing to overwrite it with {what}. "
+                              "Pass --force (force=True) to replace it, or choose an empty directory")
+
+
+# ================================================================================================ generator
+@dataclass
+class GenerateSummary:
+    out_dir: str
+    n_tensors: int
+    n_shards: int
+    total_bytes: int
+    files: list[str] = field(default_factory=list)
+
+
+def _to_release(name: str, w: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    fmt = cfg.storage_format(name)
+    if fmt == "fp8":
+        q, s = quant.weight_quant_fp8(w, 128, ue8m0=cfg.scale_fmt == "ue8m0")
+        return [(name, q), (_scale_name(name), quant.to_e8m0(s) if cfg.scale_dtype == "fp8" else s)]
+    if fmt == "fp4":
+        packed, s = quant.mxfp4_quant(w)
+        return [(name, packed), (_scale_name(name), s)]
+    return [(name, w.to({"bf16": torch.bfloat16, "fp32": torch.float32, "int32": torch.int32}[fmt]))]
+
+
+def generate_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int | None = None, force: bool = False,
+                        shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None) -> GenerateSummary:
+    """Write a random checkpoint in the released layout. Tensor values are `dsv4.model.init_param` (the
+    values `Transformer(cfg)` starts from with the same seed) put through the release formats, generated one
+    parameter at a time."""
+    from dsv4.model import init_param
+    from dsv4.tokenizer import Tokenizer
+
+    cfg = cfg.with_overrides(seed=cfg.seed if seed is None else seed)
+    out = Path(out_dir)
+    _check_destination(out, force, "a generated checkpoint")
+    if out.is_dir() and force:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    entries = checkpoint_entries(cfg)
+    by_param: dict[str, list] = {}
+    for e in entries:
+        key = e[0][: -len(".scale")] + ".weight" if e[0].endswith(".scale") else e[0]
+        by_param.setdefault(key, []).append(e)
+    shapes = cfg.param_shapes()
+    groups = _shard_groups([(k, sum(_nbytes(d, s) for _, d, s in v)) for k, v in by_param.items()], shard_bytes)
+    total = sum(_nbytes(d, s) for _, d, s in entries)
+    weight_map, done = {}, 0
+    for i, params in enumerate(groups):
+        fname = shard_file_name(i, len(groups))
+        tmp = out / (fname + ".tmp")
+        writer = ShardWriter(tmp, [e for p in params for e in by_param[p]])
+        try:
+            for p in params:
+                for name, t in _to_release(p, init_param(p, shapes[p], cfg, cfg.seed), cfg):
+                    writer.write(name, t)
+                    weight_map[name] = fname
+                    done += t.numel() * t.element_size()
+                if progress:
+                    progress(done, total, p)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        os.replace(tmp, out / fname)
+    _write_index(out, weight_map, total)
+
+    tok = Tokenizer()
+    tok.save(out)
+    hf = cfg.to_hf_config()
+    hf.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    _atomic_write_text(out / "config.json", json.dumps(hf, indent=1) + "\n")
+    encoder = Path(__file__).with_name("encoding.py")
+    if encoder.is_file():  # the released checkpoints carry their chat encoder as encoding/encoding_dsv4.py
+        (out / "encoding").mkdir(exist_ok=True)
+        shutil.copyfile(encoder, out / "encoding" / "encoding_dsv4.py")
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    return GenerateSummary(str(out), len(entries), len(groups), total, files)
+
+
+# ================================================================================================ reading
+@dataclass
+class SourceTensor:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _source_tensors(src: Path) -> dict[str, SourceTensor]:
+    index = src / INDEX
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{src}: no {INDEX} and no *.safetensors files; is this a checkpoint directory?")
+    out: dict[str, SourceTensor] = {}
+    for fname in files:
+        path = src / fname
+        if not path.is_file():
+            raise CheckpointError(f"{src / INDEX} lists {fname}, which does not exist; re-download that shard")
+        header, _ = read_header(path)
+        for name, h in header.items():
+            if name in out:
+                raise CheckpointError(f"tensor {name} is in both {out[name].file.name} and {fname}")
+            out[name] = SourceTensor(path, h["dtype"], tuple(h["shape"]))
+    return out
+
+
+def _to_official_names(tensors: dict[str, SourceTensor], n_layers: int) -> dict[str, SourceTensor]:
+    if not any(n.startswith("model.") or n == "lm_head.weight" for n in tensors):
+        return tensors
+    return {hf_to_official(n, n_layers): t for n, t in tensors.items()}
+
+
+def _expected_source(cfg: ModelConfig, name: str, fmt: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(tensor, shape) the source must hold for parameter `name` stored as `fmt`."""
+    shape = cfg.param_shapes()[name]
+    if fmt == "fp8":
+        return [(name, shape), (_scale_name(name), (-(-shape[0] // 128), -(-shape[1] // 128)))]
+    if fmt == "fp4":
+        return [(name, (shape[0], shape[1] // 2)), (_scale_name(name), (shape[0], shape[1] // 32))]
+    return [(name, shape)]
+
+
+def _source_format(cfg: ModelConfig, name: str, tensors: dict[str, SourceTensor]) -> str:
+    """How the source stores `name`: from the dtype on disk (a checkpoint may already be partly bf16)."""
+    t = tensors[name]
+    if t.dtype in ("F8_E4M3",):
+        return "fp8"
+    if t.dtype in ("I8", "U8") and _scale_name(name) in tensors:
+        return "fp4"
+    return "plain"
+
+
+def check_source(cfg: ModelConfig, tensors: dict[str, SourceTensor], where: Path) -> dict[str, str]:
+    """Every config parameter present with the right shape, nothing unexpected. -> {param: source format}."""
+    errors, formats = [], {}
+    expected = cfg.param_shapes()
+    used = set()
+    for name, shape in expected.items():
+        if name not in tensors:
+            errors.append(f"missing {name} {list(shape)}")
+            continue
+        fmt = _source_format(cfg, name, tensors)
+        formats[name] = fmt
+        for tname, tshape in _expected_source(cfg, name, fmt):
+            used.add(tname)
+            if tname not in tensors:
+                errors.append(f"missing {tname} (scale of {name})")
+            elif tensors[tname].shape != tuple(tshape):
+                errors.append(f"{tname}: shape {list(tensors[tname].shape)} in {tensors[tname].file.name}, "
+                              f"config expects {list(tshape)}")
+    extra = sorted(set(tensors) - used)
+    errors += [f"unexpected tensor {n} {list(tensors[n].shape)} in {tensors[n].file.name}" for n in extra[:20]]
+    if len(extra) > 20:
+        errors.append(f"... and {len(extra) - 20} more unexpected tensors")
+    if errors:
+        raise CheckpointError(f"{where}: checkpoint does not match its config.json "
+                              f"({cfg.n_layers} layers, {cfg.n_routed_experts} experts, dim {cfg.dim}); "
+                              f"{len(errors)} problem(s):\n  " + "\n  ".join(errors[:60]) +
+                              "\nFix: point at the right checkpoint, or correct config.json to describe these tensors")
+    return formats
+
+
+class _Reader:
+    """Lazily opened safetensors handles (memory-mapped; one tensor in memory at a time)."""
+
+    def __init__(self):
+        self.handles = {}
+
+    def get(self, t: SourceTensor, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+        if t.file not in self.handles:
+            self.handles[t.file] = safe_open(str(t.file), framework="pt")
+        return self.handles[t.file].get_tensor(name)
+
+
+# ================================================================================================ dequantizer
+@dataclass
+class DequantSummary:
+    src: str
+    dst: str
+    n_tensors: int
+    n_shards: int
+    shards_written: int
+    shards_skipped: int
+    bytes_in: int
+    bytes_out: int
+    names: str
+
+
+def _plan_fingerprint(src_tensors: dict[str, SourceTensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(src_tensors):
+        t = src_tensors[name]
+        h.update(f"{name}|{t.dtype}|{t.shape}|{t.file.name}|{t.file.stat().st_size}\n".encode())
+    return h.hexdigest()
+
+
+def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False, names: str = "hf",
+                          shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None) -> DequantSummary:
+    """Released-layout checkpoint (FP8 + MXFP4, official or HF names) -> BF16 safetensors shards + index in
+    `dst`, with config.json, tokenizer and encoder files copied. Resumes an interrupted run into the same
+    `dst`; refuses a non-empty `dst` that is not such a run unless force."""
+    if names not in ("hf", "official"):
+        raise ValueError(f"names={names!r}: use 'hf' or 'official'")
+    src, dst = Path(src), Path(dst)
+    if not (src / "config.json").is_file():
+        raise CheckpointError(f"{src}: no config.json; pass the checkpoint directory (it holds config.json and "
+                              "the *.safetensors shards)")
+    if src.resolve() == dst.resolve():
+        raise CheckpointError(f"source and destination are both {src}; choose a separate output directory")
+    hf_cfg = json.loads((src / "config.json").read_text())
+    cfg = ModelConfig.from_hf_config(hf_cfg)
+    raw = _source_tensors(src)
+    tensors = _to_official_names(raw, cfg.n_layers)
+    raw_name = dict(zip(tensors, raw))          # official -> the name in the source files
+    formats = check_source(cfg, tensors, src)
+
+    # ---- plan: one output tensor per parameter, shards by size
+    shapes = cfg.param_shapes()
+    out_name = (lambda n: official_to_hf(n, cfg.n_layers)) if names == "hf" else (lambda n: n)
+
+    def out_dtype(name):
+        d = tensors[name].dtype
+        return d if d in ("F32", "I32", "I64") else "BF16"
+
+    items = [(p, _nbytes(out_dtype(p), shapes[p])) for p in shapes]
+    groups = _shard_groups(items, shard_bytes)
+    plan = {"fingerprint": _plan_fingerprint(raw), "names": names,
+            "shards": [{"file": shard_file_name(i, len(groups)),
+                        "tensors": [[out_name(p), out_dtype(p), list(shapes[p])] for p in g]}
+                       for i, g in enumerate(groups)]}
+
+    # ---- destination: fresh, resumable, or refused
+    plan_path = dst / PLAN
+    if dst.is_dir() and any(dst.iterdir()):
+        resumable = plan_path.is_file() and not (dst / INDEX).is_file() and \
+            json.loads(plan_path.read_text()) == plan
+        if force:
+            for p in dst.iterdir():
+                if SHARD_RE.match(p.name) or p.name.endswith(".tmp") or p.name in (INDEX, PLAN):
+                    p.unlink()
+        elif not resumable:
+            why = "it already holds a finished conversion" if (dst / INDEX).is_file() else \
+                "it holds an interrupted conversion of a different source or layout" if plan_path.is_file() else \
+                "it is not empty"
+            raise FileExistsError(f"{dst}: refusing to overwrite, {why}. Pass --force (force=True) to replace it, "
+                                  "or choose another destination")
+    dst.mkdir(parents=True, exist_ok=True)
+    if not plan_path.is_file() or force:
+        _atomic_write_text(plan_path, json.dumps(plan) + "\n")
+
+    # ---- convert shard by shard
+    reader, weight_map = _Reader(), {}
+    bytes_in = sum(_nbytes(t.dtype, t.shape) for t in raw.values())
+    bytes_out = sum(n for _, n in items)
+    done = written = skipped = 0
+    for shard, params in zip(plan["shards"], groups):
+        entries = [(n, d, tuple(s)) for n, d, s in shard["tensors"]]
+        final = dst / shard["file"]
+        for n, _, _ in entries:
+            weight_map[n] = shard["file"]
+        shard_bytes_out = sum(_nbytes(d, s) for _, d, s in entries)
+        if _shard_is_complete(final, entries):
+            skipped += 1
+            done += shard_bytes_out
+            if progress:
+                progress(done, bytes_out, f"(already complete) {shard['file']}")
+            continue
+        tmp = dst / (shard["file"] + ".tmp")
+        writer = ShardWriter(tmp, entries)
+        try:
+            for p, (n, dtype, shape) in zip(params, entries):
+                t = _dequantize_param(p, formats[p], tensors, raw_name, reader)
+                if tuple(t.shape) != shape:
+                    raise CheckpointError(f"{p}: dequantized to {list(t.shape)}, config expects {list(shape)}")
+                writer.write(n, t.to(_TORCH_DTYPES[dtype]))
+                done += _nbytes(dtype, shape)
+                if progress:
+                    progress(done, bytes_out, n)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        os.replace(tmp, final)
+        written += 1
+
+    # ---- side files, then the index (its presence marks a finished conversion)
+    out_cfg = dict(hf_cfg)
+    out_cfg.pop("quantization_config", None)
+    out_cfg.update(torch_dtype="bfloat16", expert_dtype="bfloat16")
+    _atomic_write_text(dst / "config.json", json.dumps(out_cfg, indent=1) + "\n")
+    for p in src.iterdir():
+        if p.is_file() and p.suffix in (".json", ".py", ".md", ".txt", ".jinja", ".model") \
+                and p.name not in ("config.json", INDEX):
+            shutil.copyfile(p, dst / p.name)
+        elif p.is_dir() and p.name == "encoding":
+            shutil.copytree(p, dst / p.name, dirs_exist_ok=True)
+    _write_index(dst, weight_map, bytes_out)
+    plan_path.unlink()
+    return DequantSummary(str(src), str(dst), len(shapes), len(groups), written, skipped, bytes_in, bytes_out, names)
+
+
+def _dequantize_param(name: str, fmt: str, tensors: dict[str, SourceTensor], raw_name: dict[str, str],
+                      reader: _Reader) -> torch.Tensor:
+    w = reader.get(tensors[name], raw_name[name])
+    if fmt == "fp8":
+        s = reader.get(tensors[_scale_name(name)], raw_name[_scale_name(name)])
+        return quant.weight_dequant_fp8(w, s, 128, torch.bfloat16)
+    if fmt == "fp4":
+        s = reader.get(tensors[_scale_name(name)], raw_name[_scale_name(name)])
+        return quant.mxfp4_dequant(w, s, torch.bfloat16)
+    return w
+
+
+# ================================================================================================ loading
+def load_state_dict(directory: str | Path, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """Official-named tensors of a checkpoint directory (BF16 or released layout; quantized weights are
+    dequantized to bf16). Shapes are checked against the config."""
+    directory = Path(directory)
+    cfg = cfg or ModelConfig.from_hf_config(str(directory / "config.json"))
+    raw = _source_tensors(directory)
+    tensors = _to_official_names(raw, cfg.n_layers)
+    raw_name = dict(zip(tensors, raw))
+    formats = check_source(cfg, tensors, directory)
+    reader = _Reader()
+    return {p: _dequantize_param(p, formats[p], tensors, raw_name, reader) for p in cfg.param_shapes()}
+
+
+def load_model_from_bf16(directory: str | Path, **overrides):
+    """Transformer built from `directory`/config.json (plus ModelConfig overrides such as dtype="fp32") with
+    the checkpoint's weights. Accepts HF or official names; a released FP8/MXFP4 layout is dequantized too."""
+    from dsv4.model import Transformer
+
+    directory = Path(directory)
+    cfg = ModelConfig.from_hf_config(str(directory / "config.json"), **overrides)
+    model = Transformer(cfg, init=False)
+    sd = load_state_dict(directory, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(sd.pop(name).to(p.dtype))
+    return model
