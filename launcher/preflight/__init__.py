@@ -1,0 +1,96 @@
+"""Preflight: checks that every node can run the job, each PASS | WARN | FAIL (or SKIP when it does
+not apply) with a fix, per node, gathered in parallel.
+
+Facts are collected once per node (one SSH round trip running `node_scripts/node_facts.py`), then
+every registered check judges them; checks that compare nodes (versions, clocks, the shared
+directory) see all nodes' facts. `v4 run` refuses to start on a FAIL unless the check is skipped.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import asdict
+
+from launcher.errors import ConfigError
+from launcher.preflight.registry import CHECKS, CheckResult, Context, RequiredInput
+from launcher.preflight import checks as _checks  # noqa: F401 - registers the checks
+
+SCHEMA = 1
+STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
+
+__all__ = ["CHECKS", "CheckResult", "RequiredInput", "check_names", "run_checks", "render_table", "to_json",
+           "failed"]
+
+
+def check_names(cfg=None) -> list[str]:
+    return list(CHECKS)
+
+
+def _select(only=(), skip=()) -> list[str]:
+    for name in (*only, *skip):
+        if name not in CHECKS:
+            close = difflib.get_close_matches(name, list(CHECKS), n=1)
+            raise ConfigError(f"unknown preflight check {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""),
+                              fix=f"checks: {', '.join(CHECKS)}")
+    return [n for n in CHECKS if (not only or n in only) and n not in skip]
+
+
+def required_inputs(cfg) -> list[RequiredInput]:
+    """The pipeline's declared inputs: `launcher.plan.required_inputs(cfg)` when the pipeline has one."""
+    try:
+        from launcher import plan
+    except ImportError:
+        return []
+    hook = getattr(plan, "required_inputs", None)
+    return list(hook(cfg)) if hook else []
+
+
+def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None) -> list[CheckResult]:
+    """Every selected check on every node; one result per (check, node)."""
+    from launcher.nodes import nodes_from_config
+    from launcher.preflight.gather import gather
+
+    names = _select(only, skip)
+    nodes = nodes or nodes_from_config(cfg)
+    inputs = required_inputs(cfg) if inputs is None else list(inputs)
+    ctx = gather(cfg, nodes, inputs)
+    results = []
+    for name in names:
+        for node in ctx.order:
+            r = CHECKS[name].judge(node, ctx)
+            if r is not None:
+                results.append(r)
+    return results
+
+
+def failed(results, strict: bool = False) -> list[CheckResult]:
+    return [r for r in results if r.status == "FAIL" or (strict and r.status == "WARN")]
+
+
+def summary(results) -> dict[str, int]:
+    return {s: sum(r.status == s for r in results) for s in STATUSES}
+
+
+def to_json(results) -> dict:
+    return {"schema": SCHEMA, "ok": not failed(results), "summary": summary(results),
+            "results": [asdict(r) for r in results]}
+
+
+def render_table(results) -> str:
+    if not results:
+        return "no checks selected"
+    w_name = max(len("CHECK"), *(len(r.name) for r in results))
+    w_node = max(len("NODE"), *(len(r.node) for r in results))
+    lines = [f"{'CHECK':<{w_name}}  {'NODE':<{w_node}}  STATUS  DETAIL"]
+    for r in results:
+        lines.append(f"{r.name:<{w_name}}  {r.node:<{w_node}}  {r.status:<6}  {r.detail}")
+        if r.fix and r.status in ("WARN", "FAIL"):
+            lines.append(f"{'':<{w_name}}  {'':<{w_node}}          fix: {r.fix}")
+    s = summary(results)
+    lines.append(", ".join(f"{n} {k}" for k, n in s.items() if n) +
+                 (" -- preflight FAILED" if s["FAIL"] else " -- preflight passed"))
+    return "\n".join(lines)
+
+
+def dumps(results) -> str:
+    return json.dumps(to_json(results), indent=2)

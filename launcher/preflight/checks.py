@@ -1,0 +1,353 @@
+"""The checks, in the order they run and print. Why each exists: ../shared/reference/prior-art-launcher.md
+(the bash launcher's preflight checked only that paths existed and that `ray status` printed something).
+"""
+from __future__ import annotations
+
+import re
+
+from launcher.nodes import python_on_nodes
+from launcher.preflight.registry import Context, check
+
+PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+RAY_SOCKET_TAIL = len("/ray/session_2026-11-29_10-04-04_812959_17681/sockets/plasma_store")
+AF_UNIX_MAX = 107
+
+# (distribution, first bad, last bad, what goes wrong, fix)
+KNOWN_BAD = [
+    ("tilelang", "0.1.9", "0.1.10",
+     "aggressive shared-memory merge aliases an accumulator onto Q_shared in the sparse-MLA backward: "
+     "NaN gradients (tile-ai/tilelang#2199, fixed in 0.1.11)",
+     "upgrade to tilelang>=0.1.11 or set TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE False"),
+]
+
+
+def vtuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
+
+
+def is_cuda(ctx: Context) -> bool:
+    return ctx.cfg.get("HW_DEVICE", "cpu") == "cuda"
+
+
+def gpus_per_node(ctx: Context) -> int:
+    return int(ctx.cfg["V4_NUM_GPUS_PER_NODE"])
+
+
+# --- reachability --------------------------------------------------------------------------------
+
+@check("ssh", "the node answers over SSH (key auth, pinned host key)", needs_facts=False)
+def ssh(node, ctx):
+    stage, err = ctx.errors.get(node, ("", ""))
+    cfg = ctx.cfg
+    if stage == "ssh":
+        if "host key" in err:
+            fix = err.split(". ", 1)[-1] if ". " in err else "add the node's host key to V4_SSH_KNOWN_HOSTS"
+        elif "authentication failed" in err:
+            fix = (f"append {cfg.get('V4_SSH_KEY') or 'your key'}.pub to ~{cfg['V4_SSH_USER']}/.ssh/authorized_keys "
+                   f"on {node}, or point V4_SSH_KEY at a key it accepts")
+        else:
+            fix = (f"check the address, that sshd runs on port {cfg['V4_SSH_PORT']}, and firewalls "
+                   f"(V4_SSH_CONNECT_TIMEOUT={cfg['V4_SSH_CONNECT_TIMEOUT']:g} s)")
+        return FAIL, err, fix
+    if cfg["V4_TRANSPORT"] == "local":
+        return PASS, "local (no SSH)"
+    host = ctx.facts.get(node, {}).get("hostname", "?")
+    return PASS, f"{cfg['V4_SSH_USER']}@{node} ({host}) in {ctx.ssh_seconds.get(node, 0):.2f} s"
+
+
+@check("python", "V4_PYTHON runs on the node (>= 3.12)", needs_facts=False)
+def python(node, ctx):
+    stage, err = ctx.errors.get(node, ("", ""))
+    if stage == "ssh":
+        return None
+    if stage == "python":
+        return FAIL, err, "install the project's environment on every node at the same path, or set V4_PYTHON"
+    f = ctx.facts[node]
+    if vtuple(f["python"]) < (3, 12):
+        return FAIL, f"{f['python_executable']} is Python {f['python']}", "use Python >= 3.12 (megatron-core >= 0.17)"
+    return PASS, f"{f['python_executable']} (Python {f['python']})"
+
+
+# --- software --------------------------------------------------------------------------------------
+
+def _versions(f: dict) -> dict:
+    return {"python": f["python"], **{k: v or "absent" for k, v in f["packages"].items()}}
+
+
+@check("versions", "python, torch, megatron-core, tilelang and ray are the same on every node")
+def versions(node, ctx):
+    mine, usual = _versions(ctx.facts[node]), ctx.majority(_versions)
+    diff = {k: v for k, v in mine.items() if usual.get(k) != v}
+    text = ", ".join(f"{k} {v}" for k, v in mine.items())
+    if diff:
+        return (FAIL, "differs from the other nodes: " + ", ".join(f"{k} {v} (others: {usual[k]})" for k, v in diff.items()),
+                f"install the same versions on {node} as elsewhere (one image / one venv at the same path); "
+                f"check PATH/PYTHONPATH there")
+    return PASS, text
+
+
+@check("packages", "packages the jobs import are installed")
+def packages(node, ctx):
+    pk = ctx.facts[node]["packages"]
+    need = ["ray", "torch", "megatron-core"]
+    if is_cuda(ctx) and ctx.cfg.get("PRESET_ATTN_IMPL", "auto") in ("auto", "tilelang"):
+        need.append("tilelang")
+    missing = [p for p in need if not pk.get(p)]
+    if missing:
+        return FAIL, f"not installed for {python_on_nodes(ctx.cfg)}: {', '.join(missing)}", \
+            f"pip install {' '.join(missing)} into that environment (see pyproject.toml for the versions)"
+    return PASS, ", ".join(need) + " present"
+
+
+@check("known_bad", "no package version with a known correctness bug")
+def known_bad(node, ctx):
+    pk = ctx.facts[node]["packages"]
+    for dist, lo, hi, why, fix in KNOWN_BAD:
+        v = pk.get(dist)
+        if v and vtuple(lo) <= vtuple(v) <= vtuple(hi):
+            return FAIL, f"{dist} {v}: {why}", fix
+    return PASS, "none of: " + ", ".join(f"{d} {lo}-{hi}" for d, lo, hi, _, _ in KNOWN_BAD)
+
+
+# --- GPUs --------------------------------------------------------------------------------------------
+
+@check("gpu", "GPU count and model match the hw layer")
+def gpu(node, ctx):
+    g = ctx.facts[node]["gpu"]
+    if not is_cuda(ctx):
+        return SKIP, f"HW_DEVICE=cpu ({len(g['gpus'])} GPU(s) seen, none needed)"
+    cfg, want = ctx.cfg, gpus_per_node(ctx)
+    if not g["nvidia_smi"]:
+        return FAIL, "nvidia-smi not found: no NVIDIA driver", "install the driver, or use --hw cpu"
+    if g["error"]:
+        return FAIL, f"nvidia-smi failed: {g['error']}", "check the driver (dmesg, nvidia-smi)"
+    names = sorted({x["name"] for x in g["gpus"]})
+    if len(g["gpus"]) < want:
+        return FAIL, f"{len(g['gpus'])} GPU(s) ({', '.join(names)}), V4_NUM_GPUS_PER_NODE={want}", \
+            "fix the node (nvidia-smi) or lower V4_NUM_GPUS_PER_NODE"
+    expect = str(cfg.get("HW_GPU_NAME", "") or "")
+    wrong = [x["name"] for x in g["gpus"] if expect and expect.lower() not in x["name"].lower()]
+    if wrong:
+        return FAIL, f"GPU model {wrong[0]!r} does not contain HW_GPU_NAME={expect!r}", \
+            "select the matching hw layer (--hw), or fix HW_GPU_NAME"
+    mem_gb = min(x["memory_total_mib"] for x in g["gpus"]) * 1.048576 / 1000
+    want_gb = float(cfg.get("HW_GPU_MEMORY_GB", 0) or 0)
+    detail = f"{len(g['gpus'])} x {names[0]} ({mem_gb:.0f} GB)"
+    if want_gb and abs(mem_gb - want_gb) > 0.1 * want_gb:
+        return WARN, detail + f"; HW_GPU_MEMORY_GB={want_gb:g}", "correct HW_GPU_MEMORY_GB in the hw layer"
+    return PASS, detail
+
+
+@check("driver", "driver supports the CUDA torch was built for; same driver on every node")
+def driver(node, ctx):
+    g = ctx.facts[node]["gpu"]
+    if not is_cuda(ctx):
+        return SKIP, "HW_DEVICE=cpu"
+    if not g["driver"]:
+        return FAIL, "no driver version (nvidia-smi)", "install the NVIDIA driver"
+    torch_v = ctx.facts[node]["packages"].get("torch") or ""
+    m = re.search(r"\+cu(\d+)(\d)$", torch_v)
+    detail = f"driver {g['driver']}, CUDA {g['cuda']}" + (f", torch {torch_v}" if torch_v else "")
+    usual = ctx.majority(lambda f: f["gpu"]["driver"])
+    if m and g["cuda"]:
+        need = (int(m.group(1)), int(m.group(2)))
+        have = vtuple(g["cuda"])[:2]
+        if have[0] < need[0]:
+            return FAIL, detail + f": torch needs CUDA {need[0]}.{need[1]}", "upgrade the driver or use a torch built for this CUDA"
+        if have < need:
+            return WARN, detail + f": torch built for CUDA {need[0]}.{need[1]} (minor-version compatibility only)", \
+                "upgrade the driver"
+    if usual and g["driver"] != usual:
+        return WARN, detail + f"; other nodes run driver {usual}", "run one driver version across the cluster"
+    return PASS, detail
+
+
+@check("gpu_memory", "no GPU memory held by processes this tool did not start")
+def gpu_memory(node, ctx):
+    f = ctx.facts[node]
+    g = f["gpu"]
+    if not is_cuda(ctx):
+        return SKIP, "HW_DEVICE=cpu"
+    ours = f.get("our_session")
+    worst, who = 0.0, ""
+    for x in g["gpus"]:
+        apps = [a for a in g["apps"] if a["gpu_uuid"] == x["uuid"]]
+        foreign = sum(a["used_mib"] for a in apps if not (ours and a["v4_session"] == ours))
+        invisible = max(0.0, x["memory_used_mib"] - sum(a["used_mib"] for a in apps) - 1024)  # driver reserve
+        used = (foreign + invisible) / 1024
+        if used > worst:
+            worst = used
+            pids = [str(a["pid"]) for a in apps if not (ours and a["v4_session"] == ours)]
+            who = f"GPU {x['index']}: {used:.1f} GiB" + (f" (pids {', '.join(pids)})" if pids else
+                                                          " (processes not visible here, e.g. another container)")
+    if worst > 2:
+        return FAIL, f"memory in use by others: {who}", "stop those processes (the cluster's reaper/other users) first"
+    if worst > 0.5:
+        return WARN, f"memory in use by others: {who}", "check what holds it (nvidia-smi)"
+    return PASS, f"{len(g['gpus'])} GPU(s) free of foreign processes"
+
+
+@check("nvlink", "NVLink links are up; NVLS only where NVLink exists")
+def nvlink(node, ctx):
+    g = ctx.facts[node]["gpu"]
+    if not is_cuda(ctx):
+        return SKIP, "HW_DEVICE=cpu"
+    if gpus_per_node(ctx) < 2:
+        return SKIP, "one GPU per node"
+    nvls = bool(ctx.cfg.get("HW_NCCL_NVLS_ENABLE", False))
+    if g["nvlink_active"] is None:
+        return WARN, "could not query NVLink (nvidia-smi nvlink --status)", "check the driver"
+    if g["nvlink_active"] == 0:
+        if nvls:
+            return FAIL, "HW_NCCL_NVLS_ENABLE=1 but no NVLink link is active", "set HW_NCCL_NVLS_ENABLE=0"
+        return WARN, "no active NVLink: GPU-to-GPU traffic goes over PCIe", "check the NVLink/NVSwitch fabric manager"
+    return PASS, f"{g['nvlink_active']} active link(s); NVLS {'on' if nvls else 'off'}"
+
+
+@check("ib", "InfiniBand ports are active when V4_EXPECT_IB=1")
+def ib(node, ctx):
+    devs = ctx.facts[node]["ib"]
+    active = [f"{d['device']}/{p}" for d in devs for p, s in d["ports"].items() if "ACTIVE" in s["state"]]
+    if not ctx.cfg.get("V4_EXPECT_IB", False):
+        return SKIP, f"V4_EXPECT_IB=0 ({len(devs)} device(s) present)"
+    if not active:
+        return FAIL, f"no ACTIVE InfiniBand port ({len(devs)} device(s))", \
+            "check `ibstat` and the HCA driver, or set V4_EXPECT_IB=0 (NCCL then uses TCP: slow)"
+    return PASS, f"active: {', '.join(active)}"
+
+
+# --- network, storage, time -------------------------------------------------------------------------
+
+@check("socket_ifname", "the interface NCCL/Gloo will use exists, is up and carries the node's address")
+def socket_ifname(node, ctx):
+    net = ctx.facts[node]["net"]
+    want = str(ctx.cfg.get("V4_SOCKET_IFNAME", "auto") or "auto")
+    multi = len(ctx.order) > 1
+    carrying = [n for n, i in net["ifaces"].items() if i["ipv4"] == node]
+    if want == "auto":
+        name = net["default_if"]
+        if not name:
+            return (FAIL if multi else WARN), "no default route: cannot pick an interface", \
+                f"set V4_SOCKET_IFNAME (the interface holding {node}" + (f": {carrying[0]})" if carrying else ")")
+        how = "default route"
+    else:
+        name, how = want, "V4_SOCKET_IFNAME"
+    iface = net["ifaces"].get(name)
+    if iface is None:
+        return FAIL, f"{how} interface {name} does not exist (have: {', '.join(net['ifaces'])})", \
+            "set V4_SOCKET_IFNAME to one of those"
+    if iface["operstate"] not in ("up", "unknown"):
+        return FAIL, f"{name} is {iface['operstate']}", f"bring {name} up or choose another V4_SOCKET_IFNAME"
+    detail = f"{name} ({iface['ipv4'] or 'no IPv4'}, {how})"
+    if multi and iface["ipv4"] != node:
+        return WARN, detail + f" but the node is addressed as {node}" + (f" (on {carrying[0]})" if carrying else ""), \
+            f"set V4_SOCKET_IFNAME={carrying[0]}" if carrying else "set V4_SOCKET_IFNAME to the cluster interface"
+    return PASS, detail
+
+
+def _disk(d: dict, what: str) -> tuple[str, str, str]:
+    used = 1 - d["free_gb"] / d["total_gb"] if d["total_gb"] else 0
+    text = f"{what} {d['path']}: {d['free_gb']:.0f} GB free of {d['total_gb']:.0f} ({used:.0%} used)"
+    if not d["writable"]:
+        return FAIL, f"{what} {d['path']}: {d['existing']} is not writable", f"fix permissions or change {what}"
+    if d["free_gb"] < 2 or used > 0.98:
+        return FAIL, text, f"free space under {d['existing']} or change {what}"
+    if used > 0.95:
+        return WARN, text, f"free space under {d['existing']}"
+    return PASS, text
+
+
+@check("disk", "free space on V4_WORK and the node-local directory")
+def disk(node, ctx):
+    d = ctx.facts[node]["disk"]
+    w, l = _disk(d["work"], "V4_WORK"), _disk(d["local"], "V4_LOCAL_DIR")
+    status = FAIL if FAIL in (w[0], l[0]) else WARN if WARN in (w[0], l[0]) else PASS
+    fix = "; ".join(x[2] for x in (w, l) if x[0] != PASS)
+    return status, f"{w[1]}; {l[1]}", fix
+
+
+@check("ray_temp", "Ray's socket paths under V4_LOCAL_DIR fit the 107-byte AF_UNIX limit", needs_facts=False)
+def ray_temp(node, ctx):
+    from launcher.nodes import node_local_dir
+    if ctx.errors.get(node, ("",))[0] == "ssh":
+        return None
+    n = len(node_local_dir(ctx.cfg, node)) + RAY_SOCKET_TAIL
+    if n > AF_UNIX_MAX:
+        return FAIL, f"Ray socket paths would be ~{n} bytes (> {AF_UNIX_MAX})", "choose a shorter V4_LOCAL_DIR (e.g. /tmp/v4)"
+    return PASS, f"~{n} bytes"
+
+
+@check("shared_work", "V4_WORK is one shared filesystem: a file the head writes is read on every node")
+def shared_work(node, ctx):
+    f, work = ctx.facts[node], ctx.cfg["V4_WORK"]
+    if ctx.token_error:
+        return FAIL, ctx.token_error, f"make V4_WORK ({work}) writable on the head"
+    if f["token"] == ctx.token:
+        return PASS, f"{work} shows the head's token"
+    return FAIL, f"{work} on {node} does not show the file the head wrote ({f.get('token_error', 'different content')})", \
+        f"mount the shared filesystem at {work} on {node} (the same path on every node)"
+
+
+@check("clock", "clocks agree across nodes (Ray timeouts, logs, checkpoint times)")
+def clock(node, ctx):
+    if node not in ctx.clock or ctx.head not in ctx.clock:
+        return SKIP, "head clock unknown"
+    off, unc = ctx.clock[node]
+    skew = off - ctx.clock[ctx.head][0]
+    tol = unc + ctx.clock[ctx.head][1]
+    detail = f"{skew:+.3f} s vs the head (± {tol:.3f})"
+    if abs(skew) - tol > 10:
+        return FAIL, detail, "sync clocks (chrony/ntpd) on every node"
+    if abs(skew) - tol > 1:
+        return WARN, detail, "sync clocks (chrony/ntpd)"
+    return PASS, detail
+
+
+@check("ports", "the head's Ray, dashboard and rendezvous ports are free (or held by our own Ray)")
+def ports(node, ctx):
+    if node != ctx.head:
+        return SKIP, "no fixed ports on a worker"
+    names = {int(ctx.cfg.get(k, 0) or 0): k for k in
+             ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT", "V4_GRAFANA_PORT")}
+    taken, ours = [], []
+    for port, p in ctx.facts[node]["ports"].items():
+        key = names.get(int(port), port)
+        if p["free"]:
+            continue
+        if p["ours"]:
+            ours.append(f"{key}={port}")
+        else:
+            who = ", ".join(f"{x['comm']} pid {x['pid']}" for x in p["pids"]) or "a process not visible here"
+            taken.append(f"{key}={port} is taken by {who}")
+    if taken:
+        return FAIL, "; ".join(taken), "stop that process or choose another port in the cluster file"
+    free = [f"{names.get(int(p), p)}={p}" for p, x in ctx.facts[node]["ports"].items() if x["free"]]
+    return PASS, "free: " + ", ".join(free) + (f"; held by the Ray v4 started: {', '.join(ours)}" if ours else "")
+
+
+@check("ulimit", "locked-memory limit (RDMA/NCCL need it unlimited)")
+def ulimit(node, ctx):
+    m = ctx.facts[node]["memlock"]
+    if m == "unlimited":
+        return PASS, "ulimit -l unlimited"
+    detail = f"ulimit -l {m // 1024} KiB"
+    fix = "raise memlock (limits.conf `* - memlock unlimited`, or docker run --ulimit memlock=-1)"
+    if ctx.cfg.get("V4_EXPECT_IB", False):
+        return FAIL, detail + " with InfiniBand expected", fix
+    if is_cuda(ctx):
+        return WARN, detail, fix
+    return PASS, detail + " (enough on CPU)"
+
+
+@check("inputs", "required inputs exist and carry their completion sentinels")
+def inputs(node, ctx):
+    if not ctx.inputs:
+        return SKIP, "the pipeline declares no pre-existing inputs"
+    paths = ctx.facts[node]["paths"]
+    for i in ctx.inputs:
+        if not paths.get(i.path, {}).get("exists"):
+            return FAIL, f"{i.what}: {i.path} is missing", i.fix or f"create {i.path} first"
+        if i.sentinel and not paths.get(f"{i.path}/{i.sentinel}", {}).get("exists"):
+            return FAIL, f"{i.what}: {i.path} is incomplete (no {i.sentinel})", \
+                i.fix or f"finish writing {i.path} (its sentinel {i.sentinel} is written last)"
+    return PASS, f"{len(ctx.inputs)} input(s) complete"

@@ -1,0 +1,88 @@
+"""The check registry: a check is a named function judging one node from the gathered facts."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    node: str
+    status: str          # PASS | WARN | FAIL | SKIP (does not apply here)
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class RequiredInput:
+    """A path the run needs before it starts, and the file inside it that marks it complete."""
+    path: str
+    what: str
+    sentinel: str = ""       # relative to `path` ("" = existence is enough)
+    fix: str = ""
+
+
+@dataclass
+class Context:
+    """What every check sees: the config, each node's facts (or why there are none), the inputs."""
+    cfg: Any
+    order: list[str]                                   # node names, head first
+    facts: dict[str, dict] = field(default_factory=dict)
+    errors: dict[str, tuple[str, str]] = field(default_factory=dict)   # node -> (stage, message)
+    inputs: list[RequiredInput] = field(default_factory=list)
+    token: str = ""                                    # what the head wrote into V4_WORK
+    token_error: str = ""
+    clock: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (offset, uncertainty) s
+    ssh_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def head(self) -> str:
+        return self.order[0]
+
+    def majority(self, fn: Callable[[dict], Any]) -> Any:
+        """The most common value of fn(facts) over the nodes with facts (ties: the head's)."""
+        values = [fn(self.facts[n]) for n in self.order if n in self.facts]
+        if not values:
+            return None
+        counts = Counter(map(repr, values))
+        best = max(counts.values())
+        head_value = fn(self.facts[self.head]) if self.head in self.facts else None
+        if head_value is not None and counts[repr(head_value)] == best:
+            return head_value
+        return next(v for v in values if counts[repr(v)] == best)
+
+
+Verdict = tuple[str, str, str] | tuple[str, str] | None
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    doc: str
+    fn: Callable[[str, Context], Verdict]
+    needs_facts: bool = True          # False: judged even when the node could not be reached
+
+    def judge(self, node: str, ctx: Context) -> CheckResult | None:
+        if self.needs_facts and node not in ctx.facts:
+            return None               # the ssh/python check already reports this node as FAIL
+        try:
+            verdict = self.fn(node, ctx)
+        except Exception as e:   # noqa: BLE001 - a broken check is a FAIL, never a silent pass
+            verdict = ("FAIL", f"check raised {type(e).__name__}: {e}", "report this as a launcher bug")
+        if verdict is None:
+            return None
+        status, detail, *fix = verdict
+        return CheckResult(self.name, node, status, detail, fix[0] if fix else "")
+
+
+CHECKS: dict[str, Check] = {}
+
+
+def check(name: str, doc: str, needs_facts: bool = True):
+    """Register `fn(node, ctx) -> (status, detail[, fix])` as the check `name` (order = run order)."""
+    def register(fn):
+        CHECKS[name] = Check(name, doc, fn, needs_facts)
+        return fn
+    return register
