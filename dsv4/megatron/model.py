@@ -44,6 +44,8 @@ def transformer_config(cfg: ModelConfig, layout: Layout):
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.tp > 1, params_dtype=dt, pipeline_dtype=dt, bf16=dt == torch.bfloat16,
+        num_moe_experts=cfg.n_routed_experts, moe_router_topk=cfg.n_activated_experts,
+        moe_ffn_hidden_size=cfg.moe_inter_dim, add_bias_linear=False,
         calculate_per_token_loss=True,       # grads are sums over loss tokens, divided once by the global count
         use_cpu_initialization=True, batch_p2p_comm=False,
         hidden_dropout=0.0, attention_dropout=0.0)
@@ -69,6 +71,8 @@ class DSV4Stage(nn.Module):
         self.n_indexer_layers = sum(cfg.layer_ratio(i) == 4 for i in range(cfg.n_layers))
         if ranks.first_stage or (ranks.last_stage and self.train_mtp):
             self.embed = VocabParallelEmbedding(cfg, ranks)
+            if not ranks.first_stage:
+                self.embed.weight.shared = True   # a copy of stage 0's: the grad norm counts it once
         self.layers = nn.ModuleDict({str(i): ParallelBlock(i, cfg, ranks) for i in self.layer_ids})
         if ranks.last_stage:
             self.mtp = nn.ModuleDict({str(k): ParallelMTPBlock(cfg.n_layers + k, cfg, ranks)

@@ -1,0 +1,516 @@
+"""SFT training of the DSV4 megatron model: one rank's worker.
+
+A `Trainer` owns this rank's pipeline stage wrapped in megatron-core's DistributedDataParallel, the
+megatron optimizer (Adam, optional distributed optimizer) and LR scheduler, and the non-finite
+monitor. `Trainer.step(micro_batches)` runs megatron's forward/backward schedule for one optimizer
+step. `train(run)` is the job's loop: resume or load weights, steps, metrics rows, checkpoints, the
+save -> reload check, and exit code 16 when a loss or gradient is not finite.
+
+Loss normalisation: every micro-batch returns sums over its loss tokens; megatron
+(calculate_per_token_loss) divides the summed gradients once by the number of loss tokens of the
+whole global batch. The result is independent of how the batch is split over data-parallel ranks
+and micro-batches, which is what lets every layout be compared with one process.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from dsv4.config import ModelConfig
+from dsv4.megatron import cpu_shim
+from dsv4.megatron.model import DSV4Stage, Objective, model_provider
+from dsv4.megatron.parallel import Layout, Ranks, init_parallel, shard_index
+
+EXIT_NONFINITE = 16
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+# ================================================================================================ config
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    layout: Layout = field(default_factory=Layout)
+    objective: Objective = field(default_factory=Objective)
+    seq_len: int = 64
+    micro_batch_size: int = 1
+    global_batch_size: int = 2
+    num_steps: int = 2
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"      # constant | cosine | linear
+    lr_warmup_iters: int = 0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    seed: int = 1234
+    save_interval: int = 1
+    save_retain_interval: int = 0         # keep every N-th checkpoint as well as the latest (0: latest only)
+    distributed_optimizer: bool = False
+    recompute: str = "none"               # none | full (recompute each transformer block in backward)
+    device: str = "cpu"                   # cpu | cuda
+    nonfinite_hooks: bool = True          # per-module hooks that name the first non-finite output/gradient
+
+    def micro_batches_per_step(self, dp: int) -> int:
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ValueError(f"global batch {self.global_batch_size} is not a multiple of micro batch "
+                             f"{self.micro_batch_size} x DP {dp}")
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
+
+# ================================================================================================ process setup
+def init_distributed(rank: int, world: int, backend: str, device: str, master_addr: str | None = None,
+                     master_port: int | None = None) -> None:
+    """torch.distributed for this rank, and the CPU shim when no GPU is used."""
+    if master_addr:
+        os.environ["MASTER_ADDR"] = master_addr
+    if master_port:
+        os.environ["MASTER_PORT"] = str(master_port)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    cpu_shim.install(device)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world)
+
+
+def _thread_queue_for_checkpoint_writes() -> None:
+    """megatron's torch_dist writer hands its write results back through a multiprocessing Manager
+    queue, made for async saves in a side process. Creating that Manager spawns a process that
+    re-imports __main__ (seconds here; inside a Ray actor, the actor's own entrypoint). Our saves are
+    synchronous: the writer threads and the reader share one process, so a thread-safe queue does."""
+    import queue
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if not getattr(filesystem_async, "_dsv4_thread_queue", None):
+        filesystem_async._dsv4_thread_queue = queue.Queue()
+        filesystem_async.get_write_results_queue = lambda mp_mode="spawn": filesystem_async._dsv4_thread_queue
+
+
+def peak_memory_gb(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # Linux: KiB
+
+
+# ================================================================================================ non-finite monitor
+@dataclass
+class PlantSpec:
+    """A test hook: make `module`'s output (or its gradient) NaN at optimizer step `step`.
+    From V4_PLANT_NAN="MODULE:STEP[:forward|backward]", e.g. "layers.1.attn:3"."""
+    module: str
+    step: int
+    phase: str = "forward"
+
+    @classmethod
+    def from_env(cls) -> "PlantSpec | None":
+        spec = os.environ.get("V4_PLANT_NAN", "").strip()
+        if not spec:
+            return None
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or not parts[1].isdigit() or (len(parts) == 3 and parts[2] not in ("forward", "backward")):
+            raise ValueError(f"V4_PLANT_NAN={spec!r}: expected MODULE:STEP[:forward|backward], e.g. layers.1.attn:3")
+        return cls(parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "forward")
+
+
+class NonFiniteMonitor:
+    """Finds the first module whose output (forward) or gradient (backward) is not finite.
+
+    Each module's forward hook appends the module name to a per-step list and folds "is this output
+    non-finite?" into one running-minimum tensor (no host sync per module); a hook on the output
+    tensor and one on each parameter do the same for gradients. After the step one `.item()` per
+    phase tells which event came first."""
+
+    BIG = 1 << 62
+
+    def __init__(self, stage: DSV4Stage, enabled: bool, plant: PlantSpec | None):
+        self.enabled, self.plant, self.step_no = enabled, plant, 0
+        self.handles = []
+        self.reset()
+        mods = dict(stage.named_modules())
+        if plant and plant.module not in mods and plant.module != "" and self._plant_here(stage, plant.module):
+            raise ValueError(f"V4_PLANT_NAN: no module named {plant.module!r}; names look like "
+                             f"'layers.1.attn', 'layers.0.ffn.experts.3.w1', 'head'")
+        for name, mod in mods.items():
+            if not name:
+                continue
+            if plant and name == plant.module:
+                self.handles.append(mod.register_forward_hook(self._planter(name)))
+            if enabled:
+                self.handles.append(mod.register_forward_hook(self._forward_hook(name)))
+        if enabled:
+            for name, p in stage.named_parameters():
+                if p.requires_grad:
+                    self.handles.append(p.register_hook(self._grad_hook(name.rsplit(".", 1)[0] or name, "param_grad")))
+
+    @staticmethod
+    def _plant_here(stage, module: str) -> bool:
+        """Whether this rank should hold `module` (a layer on another pipeline stage is not an error)."""
+        if module.startswith("layers."):
+            return module.split(".")[1] in stage.layers
+        if module.startswith(("mtp.", "head", "norm")):
+            return stage.ranks.last_stage
+        if module.startswith("embed"):
+            return stage.ranks.first_stage
+        return True
+
+    def reset(self) -> None:
+        self.events: dict[str, list[tuple[str, str]]] = {"forward": [], "backward": []}
+        self.first = {"forward": None, "backward": None}
+
+    def _record(self, phase: str, name: str, kind: str, tensors) -> None:
+        bad = None
+        for t in tensors:
+            if torch.is_tensor(t) and t.is_floating_point():
+                b = ~torch.isfinite(t).all()
+                bad = b if bad is None else bad | b
+        if bad is None:
+            return
+        seq = len(self.events[phase])
+        self.events[phase].append((name, kind))
+        hit = torch.where(bad, seq, self.BIG)
+        self.first[phase] = hit if self.first[phase] is None else torch.minimum(self.first[phase], hit)
+
+    def _forward_hook(self, name: str):
+        def hook(mod, args, out):
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self._record("forward", name, "output", outs)
+            for t in outs:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._grad_hook(name, "grad_output"))
+        return hook
+
+    def _grad_hook(self, name: str, kind: str):
+        def hook(grad):
+            self._record("backward", name, kind, (grad,))
+        return hook
+
+    def _planter(self, name: str):
+        def hook(mod, args, out):
+            if self.step_no != self.plant.step or not torch.is_tensor(out):
+                return None
+            if self.plant.phase == "forward":
+                return out + float("nan")
+            if out.requires_grad:
+                out.register_hook(lambda g: g + float("nan"))
+            return None
+        return hook
+
+    def first_event(self, phase: str) -> tuple[int, str, str] | None:
+        f = self.first[phase]
+        if f is None:
+            return None
+        seq = int(f.item())
+        if seq >= self.BIG:
+            return None
+        name, kind = self.events[phase][seq]
+        return seq, name, kind
+
+
+# ================================================================================================ trainer
+@dataclass
+class StepResult:
+    loss: float                  # LM cross-entropy per loss token over the global batch
+    mtp_loss: float | None
+    grad_norm: float
+    lr: float
+    loss_tokens: int
+    step_time_s: float
+    finite: bool
+    nonfinite: dict | None = None
+
+
+class Trainer:
+    def __init__(self, tc: TrainConfig, init: str | Callable | None = "reference"):
+        """Build this rank's stage, DDP wrapper, optimizer and scheduler. `init`: "reference" (the
+        reference model's deterministic init), None (leave uninitialised: a checkpoint load follows), or
+        a reader `read(official_name, index) -> tensor` (conversion, tests)."""
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.tc = tc
+        cfg = tc.model
+        _thread_queue_for_checkpoint_writes()
+        self.ranks = Ranks.current()
+        tc.layout.validate(cfg, self.ranks.world, tc.seq_len)
+        self.n_micro = tc.micro_batches_per_step(self.ranks.dp)
+        stage = model_provider(cfg, tc.layout, tc.objective)
+        if init == "reference":
+            stage.init_weights(cfg.seed)
+        elif callable(init):
+            stage.load_weights(init)
+        if tc.device == "cuda":
+            stage = stage.cuda()
+        self.stage = stage
+        self.config = stage.config
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=tc.distributed_optimizer)
+        self.ddp = DistributedDataParallel(self.config, ddp_config, stage)
+        self.config.finalize_model_grads_func = self._finalize_grads
+        self._megatron_finalize = finalize_model_grads
+        self.config.no_sync_func = self.ddp.no_sync
+        self.config.grad_sync_func = None
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=tc.lr, min_lr=tc.min_lr, weight_decay=tc.weight_decay,
+            adam_beta1=tc.adam_beta1, adam_beta2=tc.adam_beta2, adam_eps=1e-8, clip_grad=tc.clip_grad,
+            bf16=self.config.bf16, params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=tc.distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        decay_steps = max(tc.num_steps, 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if tc.lr_warmup_iters else tc.lr, max_lr=tc.lr, min_lr=tc.min_lr,
+            lr_warmup_steps=tc.lr_warmup_iters, lr_decay_steps=decay_steps, lr_decay_style=tc.lr_decay_style,
+            start_wd=tc.weight_decay, end_wd=tc.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+        self.monitor = NonFiniteMonitor(stage, tc.nonfinite_hooks, PlantSpec.from_env())
+        self.iteration = 0
+
+    # ---------------------------------------------------------------------------------- one step
+    def _finalize_grads(self, model_chunks, num_tokens=None, *args, **kwargs):
+        self._megatron_finalize(model_chunks, num_tokens, *args, **kwargs)
+        # MTP trained across a pipeline: the last stage's embedding copy and stage 0's embedding get
+        # the sum of both gradients (megatron's embedding group joins exactly these two stages).
+        if self.stage.train_mtp and self.ranks.pp > 1:
+            from megatron.core import parallel_state as ps
+            w = self.stage.shared_embedding_or_output_weight()
+            if w is not None and (self.ranks.first_stage or self.ranks.last_stage):
+                dist.all_reduce(w.main_grad, group=ps.get_embedding_group())
+
+    def _forward_step(self, data_iterator, model):
+        mb = next(data_iterator)
+        dev = self.tc.device
+        tokens, loss_mask = mb["tokens"].to(dev), mb["loss_mask"].to(dev).float()
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        n_tokens = loss_mask.sum()
+        obj, stage = self.tc.objective, self.stage
+        aux = None
+        if obj.indexer_coeff > 0 and stage.n_indexer_layers:
+            aux = obj.indexer_coeff * float(n_tokens) / stage.n_indexer_layers
+        out = model(ids, labels, loss_mask, aux_weight=aux)
+
+        def loss_func(sums):
+            loss = sums[0] + obj.mtp_coeff * sums[1] if stage.train_mtp else sums[0]
+            n = n_tokens.to(torch.int)
+            return loss, n, {"lm": torch.stack([sums[0].detach(), n_tokens]),
+                             "mtp": torch.stack([sums[1].detach(), n_tokens])}
+        return out, loss_func
+
+    def step(self, micro_batches: list[dict], update: bool = True, on_grads: Callable | None = None) -> StepResult:
+        """One optimizer step over this DP rank's micro-batches (each {tokens [b, S+1], loss_mask [b, S]}).
+        update=False stops after the gradients; on_grads() runs once they are reduced (tests read them)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        if len(micro_batches) != self.n_micro:
+            raise ValueError(f"step needs {self.n_micro} micro-batches on this rank, got {len(micro_batches)}")
+        t0 = time.perf_counter()
+        self.monitor.step_no = self.iteration + 1
+        self.monitor.reset()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.ddp.train()
+        store = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
+            num_microbatches=self.n_micro, seq_length=self.tc.seq_len,
+            micro_batch_size=self.tc.micro_batch_size, forward_only=False)
+        loss, mtp, n_tok = self._reduce_losses(store)
+        if on_grads is not None:
+            on_grads()
+        grads_finite = self._grads_finite()
+        finite = math.isfinite(loss) and grads_finite
+        grad_norm, lr = float("nan"), self.optimizer.param_groups[0]["lr"]
+        if finite and update:
+            ok, grad_norm, _ = self.optimizer.step()
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            finite = bool(ok) and math.isfinite(grad_norm)
+            if finite:
+                self.scheduler.step(1)
+                self.iteration += 1
+        elif finite:
+            grad_norm = self._grad_norm_only()
+        if self.tc.device == "cuda":
+            torch.cuda.synchronize()
+        res = StepResult(loss, mtp if self.stage.train_mtp else None, grad_norm, lr, n_tok,
+                         time.perf_counter() - t0, finite)
+        if not finite:
+            res.nonfinite = self._locate_nonfinite(res)
+        return res
+
+    def _reduce_losses(self, store) -> tuple[float, float, int]:
+        """Sum the last stage's per-micro-batch loss sums over DP and share them with every rank."""
+        t = torch.zeros(3, dtype=torch.float64)
+        if self.ranks.last_stage and self.ranks.tp_rank == 0:
+            for d in store:
+                t += torch.tensor([float(d["lm"][0]), float(d["mtp"][0]), float(d["lm"][1])], dtype=torch.float64)
+        t = t.to(self._comm_device())
+        dist.all_reduce(t)
+        lm, mtp, n = t.tolist()
+        return lm / max(n, 1), mtp / max(n, 1), int(n)
+
+    def _comm_device(self):
+        return "cuda" if self.tc.device == "cuda" else "cpu"
+
+    def _grads_finite(self) -> bool:
+        bad = torch.zeros((), device=self._comm_device())
+        for p in self.stage.parameters():
+            g = getattr(p, "main_grad", None)
+            if p.requires_grad and g is not None:
+                bad = bad + (~torch.isfinite(g)).any().float()
+        dist.all_reduce(bad)
+        return bad.item() == 0
+
+    def _grad_norm_only(self) -> float:
+        """Global gradient norm without an update (the reload check's second run, eval)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self._comm_device())
+        for p in self.stage.parameters():
+            g = getattr(p, "main_grad", None)
+            if p.requires_grad and g is not None and self._counts_for_norm(p):
+                sq += g.double().pow(2).sum()
+        dist.all_reduce(sq)
+        return math.sqrt(sq.item())
+
+    def _counts_for_norm(self, p) -> bool:
+        """Each logical gradient element once: replicas over TP count on TP rank 0 only; whole experts
+        are unique per rank in their expert-tensor group; DP replicas are divided out below."""
+        if getattr(p, "shared", False):                  # the last stage's copy of the embedding
+            return False
+        expert = not getattr(p, "allreduce", True)
+        if expert:
+            return self.ranks.edp_rank == 0
+        return self.ranks.dp_rank == 0 and (getattr(p, "tensor_model_parallel", False) or self.ranks.tp_rank == 0)
+
+    def _locate_nonfinite(self, res: StepResult) -> dict:
+        """The first non-finite module: earliest forward output on the earliest pipeline stage; else the
+        first backward event on the latest stage (backward runs from the last stage to the first)."""
+        mine = {"rank": self.ranks.rank, "pp_rank": self.ranks.pp_rank, "tp_rank": self.ranks.tp_rank,
+                "dp_rank": self.ranks.dp_rank}
+        for phase in ("forward", "backward"):
+            ev = self.monitor.first_event(phase)
+            mine[phase] = None if ev is None else {"seq": ev[0], "module": ev[1], "kind": ev[2]}
+        everyone = [None] * self.ranks.world
+        dist.all_gather_object(everyone, mine)
+        fwd = [r for r in everyone if r["forward"]]
+        bwd = [r for r in everyone if r["backward"]]
+        if fwd:
+            r = min(fwd, key=lambda r: (r["pp_rank"], r["forward"]["seq"], r["rank"]))
+            first = {"phase": "forward", **r["forward"], "rank": r["rank"]}
+        elif bwd:
+            r = min(bwd, key=lambda r: (-r["pp_rank"], r["backward"]["seq"], r["rank"]))
+            first = {"phase": "backward", **r["backward"], "rank": r["rank"]}
+        else:
+            where = "loss" if not math.isfinite(res.loss) else "gradient after reduction"
+            first = {"phase": "unknown", "module": None, "kind": where, "rank": None,
+                     "note": "no module hook fired" + ("" if self.tc.nonfinite_hooks else " (hooks disabled)")}
+        return {"step": self.iteration + 1, "rank": first["rank"], "module": first["module"],
+                "phase": first["phase"], "kind": first["kind"], "loss": res.loss, "per_rank": everyone}
+
+    # ---------------------------------------------------------------------------------- eval
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[dict]) -> tuple[float, int]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        self.ddp.eval()
+        store = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
+            num_microbatches=len(micro_batches), seq_length=self.tc.seq_len,
+            micro_batch_size=self.tc.micro_batch_size, forward_only=True)
+        loss, _, n = self._reduce_losses(store)
+        return loss, n
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def save(self, root: Path, iteration: int | None = None) -> Path:
+        """Distributed checkpoint of model, optimizer and scheduler under root/iter_NNNNNNN; the
+        `latest` pointer moves only after every rank finished writing."""
+        from megatron.core import dist_checkpointing
+        it = self.iteration if iteration is None else iteration
+        path = Path(root) / f"iter_{it:07d}"
+        if self.ranks.rank == 0:
+            if path.exists():
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        dist.barrier()
+        model_sd = self.stage.sharded_state_dict()
+        state = {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd),
+                 "scheduler": self.scheduler.state_dict(), "iteration": it,
+                 "model_config": self.tc.model.to_dict()}
+        dist_checkpointing.save(state, str(path))
+        dist.barrier()
+        if self.ranks.rank == 0:
+            _atomic_write(Path(root) / LATEST, str(it))
+            self._prune(Path(root), it)
+        dist.barrier()
+        return path
+
+    def _prune(self, root: Path, keep: int) -> None:
+        retain = self.tc.save_retain_interval
+        for d in root.glob("iter_*"):
+            it = int(d.name.split("_")[1])
+            if it != keep and not (retain and it % retain == 0):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def load(self, path: Path, with_optimizer: bool = True) -> int:
+        """Load a checkpoint directory written by `save` (or model-only by jobs.convert_ckpt)."""
+        from megatron.core import dist_checkpointing
+        model_sd = self.stage.sharded_state_dict()
+        request = {"model": model_sd}
+        if with_optimizer:
+            request["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=True)
+        loaded = dist_checkpointing.load(request, str(path))
+        missing = set(self.stage.state_dict()) - set(loaded["model"])
+        if missing:
+            raise RuntimeError(f"{path}: checkpoint lacks {sorted(missing)[:5]} ...")
+        self.stage.load_state_dict(loaded["model"], strict=True)
+        if with_optimizer:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            self.scheduler.load_state_dict(loaded["scheduler"])
+            self.iteration = int(loaded["iteration"])
+        else:
+            # a fresh optimizer starts from the loaded weights: refresh its fp32 master copies
+            self.optimizer.reload_model_params()
+        return int(loaded.get("iteration", 0))
+
+    # ---------------------------------------------------------------------------------- grads (tests)
+    def full_grads(self) -> dict[str, tuple[tuple[slice, ...], torch.Tensor]]:
+        """This rank's reduced gradients keyed by official name, each with the slice of the logical
+        tensor it covers (tests assemble them and compare with one process)."""
+        shapes = self.tc.model.param_shapes()
+        out = {}
+        for key, p, copy in self.stage.checkpoint_params():
+            g = getattr(p, "main_grad", None)
+            if p.requires_grad and g is not None and copy == 0:
+                out[key] = (shard_index(p, shapes[key], self.ranks), g.detach().float().cpu().clone())
+        return out
+
+    def close(self) -> None:
+        for h in self.monitor.handles:
+            h.remove()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    p = Path(root) / LATEST
+    if not p.is_file():
+        return None
+    d = Path(root) / f"iter_{int(p.read_text().strip()):07d}"
+    return d if d.is_dir() else None
+
+
+def split_micro_batches(batch: dict, micro_batch_size: int) -> list[dict]:
+    n = batch["tokens"].shape[0]
+    return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]

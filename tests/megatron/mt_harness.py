@@ -1,0 +1,126 @@
+"""Run DSV4 megatron layouts in real gloo processes (torch.multiprocessing) and collect what each
+rank saw: loss, grad norm, reduced gradients (as slices of the official tensors) and the loss after
+one optimizer update. Tests compare every layout with one process on the same global batch."""
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+@dataclass
+class Spec:
+    name: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    stage_layers: tuple | None = None
+    mtp_coeff: float = 0.3
+    indexer_coeff: float = 0.1
+    model_overrides: dict = field(default_factory=dict)
+    seq_len: int = 32
+    micro_batch_size: int = 1
+    global_batch_size: int = 4
+    distributed_optimizer: bool = False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def global_batch(spec: Spec, vocab: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n, S = spec.global_batch_size, spec.seq_len
+    tokens = torch.randint(0, vocab, (n, S + 1), generator=g)
+    mask = (torch.rand(n, S, generator=g) > 0.25).float()
+    mask[:, 0] = 1.0                                                 # every row has a loss token
+    return {"tokens": tokens, "loss_mask": mask}
+
+
+def _worker(rank: int, world: int, port: int, specs: list[Spec], out_dir: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from dsv4.config import ModelConfig
+    from dsv4.megatron.model import Objective
+    from dsv4.megatron.parallel import Layout, init_parallel
+    from dsv4.megatron.train import TrainConfig, Trainer, init_distributed, split_micro_batches
+    init_distributed(rank, world, "gloo", "cpu", "127.0.0.1", port)
+    for spec in specs:
+        cfg = ModelConfig.preset("tiny", indexer_loss_coeff=spec.indexer_coeff, **spec.model_overrides)
+        layout = Layout(spec.tp, spec.pp, spec.ep, spec.etp, spec.stage_layers)
+        tc = TrainConfig(model=cfg, layout=layout, objective=Objective(spec.mtp_coeff, spec.indexer_coeff),
+                         seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
+                         global_batch_size=spec.global_batch_size, lr=1e-3, num_steps=2,
+                         distributed_optimizer=spec.distributed_optimizer)
+        init_parallel(layout, tc.seed)
+        tr = Trainer(tc)
+        batch = global_batch(spec, cfg.vocab_size)
+        per = spec.global_batch_size // tr.ranks.dp
+        mine = {k: v[tr.ranks.dp_rank * per:(tr.ranks.dp_rank + 1) * per] for k, v in batch.items()}
+        grads = {}
+        first = tr.step(split_micro_batches(mine, spec.micro_batch_size), on_grads=lambda: grads.update(tr.full_grads()))
+        second = tr.step(split_micro_batches(mine, spec.micro_batch_size))
+        torch.save({"rank": rank, "loss": first.loss, "mtp_loss": first.mtp_loss, "grad_norm": first.grad_norm,
+                    "finite": first.finite, "loss_after_update": second.loss, "grads": grads},
+                   Path(out_dir) / f"{spec.name}.rank{rank}.pt")
+        tr.close()
+        del tr
+
+
+def run(specs: list[Spec], world: int, out_dir: Path) -> dict[str, dict]:
+    """Run `specs` one after another in `world` gloo processes; returns {spec name: assembled result}."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(world, free_port(), specs, str(out_dir)), nprocs=world, join=True)
+    return {s.name: assemble(out_dir, s.name, world) for s in specs}
+
+
+def assemble(out_dir: Path, name: str, world: int) -> dict:
+    """Merge every rank's gradient slices into whole tensors; replicas must agree exactly."""
+    from dsv4.config import ModelConfig
+    parts = [torch.load(Path(out_dir) / f"{name}.rank{r}.pt", weights_only=False) for r in range(world)]
+    shapes = ModelConfig.preset("tiny").param_shapes()
+    grads: dict[str, torch.Tensor] = {}
+    filled: dict[str, torch.Tensor] = {}
+    for p in parts:
+        for key, (index, g) in p["grads"].items():
+            if key not in grads:
+                grads[key] = torch.zeros(shapes[key])
+                filled[key] = torch.zeros(shapes[key], dtype=torch.bool)
+            region, seen = grads[key][index], filled[key][index]
+            if seen.any():
+                assert torch.equal(region[seen], g[seen]), f"{name}: replicas of {key} disagree"
+            grads[key][index] = g
+            filled[key][index] = True
+    for key, f in filled.items():
+        assert f.all(), f"{name}: no rank holds part of {key}"
+    losses = {(p["loss"], p["grad_norm"], p["loss_after_update"]) for p in parts}
+    assert len(losses) == 1, f"{name}: ranks disagree on loss/grad norm: {losses}"
+    return {"loss": parts[0]["loss"], "mtp_loss": parts[0]["mtp_loss"], "grad_norm": parts[0]["grad_norm"],
+            "loss_after_update": parts[0]["loss_after_update"], "finite": all(p["finite"] for p in parts),
+            "grads": grads}
+
+
+def compare(result: dict, base: dict) -> dict:
+    """Largest absolute and relative (to the tensor's max magnitude) gradient differences, and loss diffs."""
+    worst_abs, worst_rel, worst_key = 0.0, 0.0, None
+    assert set(result["grads"]) == set(base["grads"]), set(result["grads"]) ^ set(base["grads"])
+    for key, g0 in base["grads"].items():
+        g = result["grads"][key]
+        d = (g - g0).abs().max().item()
+        rel = d / max(g0.abs().max().item(), 1e-12)
+        if d > worst_abs:
+            worst_abs = d
+        if rel > worst_rel:
+            worst_rel, worst_key = rel, key
+    return {"loss_abs": abs(result["loss"] - base["loss"]),
+            "grad_norm_rel": abs(result["grad_norm"] - base["grad_norm"]) / base["grad_norm"],
+            "after_update_abs": abs(result["loss_after_update"] - base["loss_after_update"]),
+            "grad_max_abs": worst_abs, "grad_max_rel": worst_rel, "grad_worst_key": worst_key}
