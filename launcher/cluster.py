@@ -102,7 +102,7 @@ def cluster_commands(cfg, force: bool = False) -> list[NodeCommands]:
     if container and not image:
         raise ClusterError(f"V4_CONTAINER={container} but V4_IMAGE is empty",
                            fix="set V4_IMAGE in the cluster file, or empty V4_CONTAINER to run on the hosts")
-    common = dict(python=python, bin_dir=str(Path(python).parent), procs_py=source("ray_procs").rstrip("\n"),
+    common = dict(python=python, bin_dir=str(Path(python).parent) if python.startswith("/") else "", procs_py=source("ray_procs").rstrip("\n"),
                   cluster_name=cfg["V4_CLUSTER_NAME"], master_ip=cfg["V4_MASTER_IP"],
                   ray_port=cfg["V4_RAY_PORT"], dashboard_port=cfg["V4_DASHBOARD_PORT"],
                   num_gpus=expected_gpus(cfg), num_cpus=expected_cpus(cfg), env=_node_env(cfg),

@@ -336,7 +336,10 @@ def node_local_dir(cfg, ip: str) -> str:
 
 
 def python_on_nodes(cfg) -> str:
-    return str(cfg.get("V4_PYTHON", "") or sys.executable)
+    """V4_PYTHON; else the image's python3 in a container, else the launcher's own interpreter."""
+    if cfg.get("V4_PYTHON", ""):
+        return str(cfg["V4_PYTHON"])
+    return "python3" if cfg.get("V4_CONTAINER", "") else sys.executable
 
 
 def nodes_from_config(cfg) -> list[Node]:

@@ -22,6 +22,11 @@ __all__ = ["CHECKS", "CheckResult", "RequiredInput", "check_names", "run_checks"
            "failed"]
 
 
+class Results(list):
+    """The CheckResults, plus the facts gathered per node (for the run manifest)."""
+    facts: dict[str, dict]
+
+
 def check_names(cfg=None) -> list[str]:
     return list(CHECKS)
 
@@ -45,7 +50,7 @@ def required_inputs(cfg) -> list[RequiredInput]:
     return list(hook(cfg)) if hook else []
 
 
-def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None) -> list[CheckResult]:
+def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None) -> Results:
     """Every selected check on every node; one result per (check, node)."""
     from launcher.nodes import nodes_from_config
     from launcher.preflight.gather import gather
@@ -54,7 +59,8 @@ def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None) -> list[CheckResu
     nodes = nodes or nodes_from_config(cfg)
     inputs = required_inputs(cfg) if inputs is None else list(inputs)
     ctx = gather(cfg, nodes, inputs)
-    results = []
+    results = Results()
+    results.facts = ctx.facts
     for name in names:
         for node in ctx.order:
             r = CHECKS[name].judge(node, ctx)

@@ -1,0 +1,106 @@
+"""`v4 cluster up | down | status | probe`: Ray on the configured nodes."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from launcher.cli_options import config_options, load_config
+from launcher.errors import CLUSTER_FAILED
+
+
+@click.group("cluster")
+def cluster():
+    """Bring Ray up on the cluster's nodes, tear it down, show it, probe it."""
+
+
+def render_status(st) -> str:
+    alive = sum(n.gcs_state == "ALIVE" for n in st.nodes)
+    lines = [f"cluster {st.cluster}: {'healthy' if st.healthy else 'NOT healthy'} ({alive}/{len(st.nodes)} nodes ALIVE)"
+             f"  GCS {st.gcs}  dashboard {st.dashboard}{'' if st.dashboard_ok else ' (down)'}"]
+    rows = [("NODE", "ROLE", "HOSTNAME", "RAY", "CPU", "GPU", "RAYLET", "V4 PROCS")]
+    for n in st.nodes:
+        raylet = n.proc("raylet")
+        procs = f"{sum(p['alive'] for p in n.procs)}/{len(n.procs)} alive" if n.recorded else "-"
+        rows.append((n.ip, n.role, n.hostname or "-", n.gcs_state if n.reachable else "UNREACHABLE",
+                     f"{n.resources.get('CPU', 0):g}" if n.resources else "-",
+                     f"{n.resources.get('GPU', 0):g}" if n.resources else "-",
+                     (f"pid {raylet['pid']} {'up' if raylet['alive'] else 'DEAD'}") if raylet else "-", procs))
+    for n in st.extra_nodes:
+        rows.append((n["ip"], "EXTRA", n["hostname"], n["state"], f"{n['resources'].get('CPU', 0):g}",
+                     f"{n['resources'].get('GPU', 0):g}", "-", "-"))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if st.jobs is not None:
+        by = {}
+        for j in st.jobs:
+            by[j["status"]] = by.get(j["status"], 0) + 1
+        lines.append(f"jobs: {len(st.jobs)}" + (f" ({', '.join(f'{v} {k}' for k, v in sorted(by.items()))})" if by else ""))
+        for j in sorted(st.jobs, key=lambda j: j.get("start_time") or 0)[-10:]:
+            lines.append(f"  {j['submission_id'] or j['job_id']}  {j['status']}  {j['entrypoint'][:80]}")
+    if st.problems:
+        lines.append("problems:")
+        lines += [f"  - {p}" for p in st.problems]
+    return "\n".join(lines)
+
+
+@cluster.command("up")
+@config_options()
+@click.option("--json", "as_json", is_flag=True, help="print the resulting status as JSON on stdout")
+def up(selection, as_json):
+    """Start Ray: head, then workers; wait until the GCS reports every node. No-op when healthy."""
+    from launcher import cluster as c
+    cfg = load_config(selection)
+    st = c.up(cfg)
+    click.echo(json.dumps(st.to_json(), indent=2) if as_json else render_status(st))
+
+
+@cluster.command("down")
+@config_options()
+@click.option("--force", is_flag=True,
+              help="on nodes where v4 recorded no Ray, fall back to `ray stop --force` (stops EVERY Ray process there)")
+@click.option("--json", "as_json", is_flag=True, help="per-node report as JSON on stdout")
+def down(selection, force, as_json):
+    """Stop the Ray processes v4 started (recorded per node); other Ray processes are left alone."""
+    from launcher import cluster as c
+    cfg = load_config(selection)
+    reports = c.down(cfg, force=force)
+    if as_json:
+        click.echo(json.dumps({"schema": 1, "nodes": reports}, indent=2))
+    if not all(r["ok"] for r in reports):
+        sys.exit(CLUSTER_FAILED)
+
+
+@cluster.command("status")
+@config_options()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output (schema 1)")
+def status(selection, as_json):
+    """Nodes (as Ray's GCS sees them), resources, v4's recorded processes, jobs. Exit 5 when unhealthy."""
+    from launcher import cluster as c
+    cfg = load_config(selection)
+    st = c.status(cfg)
+    click.echo(json.dumps(st.to_json(), indent=2) if as_json else render_status(st))
+    if not st.healthy:
+        sys.exit(CLUSTER_FAILED)
+
+
+@cluster.command("probe")
+@config_options()
+@click.option("--json", "as_json", is_flag=True, help="what each node reported, as JSON")
+@click.option("--timeout", default=300.0, show_default=True, help="seconds before the job is stopped")
+def probe(selection, as_json, timeout):
+    """Submit the built-in probe job (one Ray task per node) and print what every node sees."""
+    from launcher import jobs, registry
+    cfg = load_config(selection)
+    run = registry.create_run(cfg, prefix="probe", argv=sys.argv)
+    click.echo(f"run {run.id}: {run.dir}", err=True)
+    outcome, seen = jobs.probe(cfg, run, timeout_s=timeout)
+    if as_json:
+        click.echo(json.dumps({"run_id": run.id, "outcome": outcome.to_json(), "nodes": seen}, indent=2))
+        return
+    for s in sorted(seen, key=lambda s: s["ip"]):
+        click.echo(f"{s['ip']:<16} {s['hostname']:<20} GPU(ray)={s['resources'].get('GPU', 0):g} "
+                   f"nvidia-smi={s['gpus_visible']} ifname={s['socket_ifname'] or '-'} python={s['python']}")
+    click.echo(f"probe: {len(seen)}/{len(cfg.nodes)} node(s) answered in {outcome.elapsed_s:.1f} s "
+               f"(job {outcome.submission_id})", err=True)

@@ -1,0 +1,127 @@
+"""`v4 runs ls | show | logs | stop`: the run registry under V4_OUT."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from launcher.cli_options import config_options, load_config
+
+
+def _when(t) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+@click.group("runs")
+def runs():
+    """List runs, show one, print or follow its logs, stop it."""
+
+
+@runs.command("ls")
+@config_options()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output (schema 1)")
+def ls(selection, as_json):
+    """Every run under V4_OUT, oldest first."""
+    from launcher import registry
+    cfg = load_config(selection)
+    rows = registry.list_runs(cfg)
+    if as_json:
+        click.echo(json.dumps({"schema": 1, "runs": rows}, indent=2))
+        return
+    if not rows:
+        click.echo(f"no runs under {registry.out_dir(cfg)}", err=True)
+        return
+    table = [("RUN", "STATUS", "STAGE", "PRESET", "CLUSTER", "CREATED", "STEPS")]
+    table += [(r["id"], r["status"], r["stage"] or "-", r["preset"] or "-", r["cluster"] or "-",
+               _when(r["created_at"]), f"{r['steps_done']}/{r['steps']}") for r in rows]
+    widths = [max(len(str(t[i])) for t in table) for i in range(len(table[0]))]
+    for t in table:
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(t, widths)).rstrip())
+
+
+@runs.command("show")
+@config_options()
+@click.argument("run_ref", metavar="RUN")
+@click.option("--json", "as_json", is_flag=True, help="run.json, steps, gates and summary as one JSON object")
+def show(selection, run_ref, as_json):
+    """One run: status, steps (with job ids), gates, summary. RUN: id, unique prefix, or `latest`."""
+    from launcher import registry
+    cfg = load_config(selection)
+    run = registry.find_run(cfg, run_ref)
+    info, steps = run.info(), run.steps()
+    gates, summary = run.read_json("gates.json"), run.read_json("summary.json")
+    if as_json:
+        click.echo(json.dumps({"schema": 1, "run": {**info, "effective_status": registry.effective_status(info)},
+                               "dir": str(run.dir), "steps": steps, "gates": gates, "summary": summary}, indent=2))
+        return
+    click.echo(f"run {run.id}: {registry.effective_status(info)}   ({run.dir})")
+    click.echo(f"  created {_when(info.get('created_at'))}, finished {_when(info.get('finished_at'))}"
+               + (f", exit code {info['exit_code']}" if info.get("exit_code") is not None else ""))
+    if info.get("error"):
+        click.echo(f"  error: {info['error']}")
+    for s in steps:
+        took = (s.get("finished_at") or time.time()) - s["started_at"] if s.get("started_at") else None
+        job = s.get("submission_id") or ""
+        click.echo(f"  step {s['name']:<16} {s['status']:<8} {f'{took:.0f} s' if took is not None else '':>7}  {job}")
+    for g in gates or []:
+        click.echo(f"  gate {g['name']:<16} {'PASS' if g.get('passed') else 'FAIL'}  {g.get('detail', '')}")
+
+
+@runs.command("logs")
+@config_options()
+@click.argument("run_ref", metavar="RUN")
+@click.argument("step", required=False)
+@click.option("-f", "--follow", is_flag=True, help="keep printing a running step's log (from Ray) until it ends")
+def logs(selection, run_ref, step, follow):
+    """Print a run's step logs (all steps in order, or STEP)."""
+    from launcher import registry
+    cfg = load_config(selection)
+    run = registry.find_run(cfg, run_ref)
+    steps = [s for s in run.steps() if step is None or s["name"] == step]
+    if step and not steps:
+        raise click.UsageError(f"run {run.id} has no step {step!r} (steps: {', '.join(s['name'] for s in run.steps())})")
+    for s in steps:
+        if follow and s["status"] == "running" and s.get("submission_id"):
+            click.echo(f"==> {s['name']} (following job {s['submission_id']}) <==", err=True)
+            _follow(cfg, s["submission_id"])
+            continue
+        log = run.step_log(s["name"])
+        if log.is_file():
+            click.echo(f"==> {s['name']} <==", err=True)
+            sys.stdout.write(log.read_text())
+            sys.stdout.flush()
+
+
+def _follow(cfg, sid: str) -> None:
+    import asyncio
+    from launcher import jobs
+    c = jobs.client(cfg)
+
+    async def tail():
+        async for chunk in c.tail_job_logs(sid):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+    asyncio.run(tail())
+
+
+@runs.command("stop")
+@config_options()
+@click.argument("run_ref", metavar="RUN")
+def stop(selection, run_ref):
+    """Stop a run's running jobs on the cluster and mark the run stopped."""
+    from launcher import jobs, registry
+    cfg = load_config(selection)
+    run = registry.find_run(cfg, run_ref)
+    stopped = []
+    for s in run.steps():
+        if s["status"] == "running":
+            for sid in s.get("submission_ids") or [s.get("submission_id")]:
+                if sid and jobs.stop(cfg, sid):
+                    stopped.append(sid)
+            run.set_step(s["name"], "stopped")
+    if registry.effective_status(run.info()) in ("running", "interrupted"):
+        run.finish("stopped", error="stopped by `v4 runs stop`", code=1)
+    click.echo(f"run {run.id}: stopped" + (f" (jobs: {', '.join(stopped)})" if stopped else " (no running job)"),
+               err=True)

@@ -1,0 +1,198 @@
+"""Submitting work to the cluster through the Ray Jobs API, waiting with a deadline, keeping logs.
+
+The dashboard address comes from the config (http://V4_MASTER_IP:V4_DASHBOARD_PORT). Logs stream
+to the caller while the job runs and the complete log is written to the run directory at the end.
+Interrupting the wait (Ctrl-C) does not stop the job, as with `ray job submit`; `v4 runs stop` does.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from launcher.cluster import dashboard_url
+from launcher.errors import ClusterError, JobError
+from launcher.nodes import python_on_nodes
+
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+Progress = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Outcome:
+    submission_id: str
+    status: str                 # SUCCEEDED | FAILED | STOPPED | TIMEOUT
+    exit_code: int | None
+    elapsed_s: float
+    message: str
+    log_path: str
+    log_tail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "SUCCEEDED"
+
+    def to_json(self) -> dict:
+        # "job_status", not "status": this lands in a step's status.json next to the step's own status.
+        d = asdict(self)
+        d["job_status"] = d.pop("status")
+        return {**d, "ok": self.ok}
+
+
+def client(cfg):
+    """A JobSubmissionClient for the cluster's dashboard (ClusterError if nothing answers)."""
+    from ray.job_submission import JobSubmissionClient
+    url = dashboard_url(cfg)
+    try:
+        return JobSubmissionClient(url)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise ClusterError(f"the Ray Jobs API at {url} does not answer: {e}",
+                           fix="`v4 cluster up` (or `v4 cluster status` to see what is wrong)") from None
+
+
+def _info(c, submission_id: str):
+    try:
+        return c.get_job_info(submission_id)
+    except RuntimeError as e:          # 404: no such job
+        if "does not exist" in str(e) or "404" in str(e):
+            return None
+        raise
+
+
+def submit(cfg, job, c=None, progress: Progress = _stderr) -> str:
+    """Submit `job` (a plan.JobSpec); a job already running under its id is attached to, not resubmitted."""
+    c = c or client(cfg)
+    sid = job.submission_id
+    for attempt in range(1, 100):
+        info = _info(c, sid)
+        if info is None:
+            break
+        if info.status.value in ("PENDING", "RUNNING", "SUCCEEDED"):
+            progress(f"job {sid}: already {info.status.value}; following it")
+            return sid
+        sid = f"{job.submission_id}-r{attempt}"          # Ray never reuses a submission id
+    c.submit_job(entrypoint=job.entrypoint, submission_id=sid, runtime_env=job.runtime_env,
+                 entrypoint_num_cpus=job.entrypoint_num_cpus, entrypoint_num_gpus=job.entrypoint_num_gpus,
+                 metadata={"v4": "1"})
+    progress(f"job {sid}: submitted to {dashboard_url(cfg)}")
+    return sid
+
+
+def _tail(c, sid: str, sink: Callable[[str], None], stop: threading.Event) -> None:
+    async def follow():
+        async for chunk in c.tail_job_logs(sid):
+            sink(chunk)
+            if stop.is_set():
+                return
+    try:
+        asyncio.run(follow())
+    except Exception:   # noqa: BLE001 - streaming is a convenience; the full log is fetched at the end
+        pass
+
+
+def wait(cfg, sid: str, timeout_s: float, log_path: Path | str | None = None, c=None,
+         progress: Progress = _stderr, echo: bool = True) -> Outcome:
+    """Follow job `sid` until it ends or `timeout_s` passes (then it is stopped: TIMEOUT)."""
+    c = c or client(cfg)
+    t0 = time.monotonic()
+    stop = threading.Event()
+    pending = [""]
+
+    def sink(chunk: str) -> None:
+        if echo:
+            text = pending[0] + chunk
+            *lines, pending[0] = text.split("\n")
+            for line in lines:
+                progress(f"  | {line}")
+
+    streamer = threading.Thread(target=_tail, args=(c, sid, sink, stop), daemon=True)
+    streamer.start()
+    status, timed_out = "PENDING", False
+    while True:
+        info = c.get_job_info(sid)
+        status = info.status.value
+        if status in TERMINAL:
+            break
+        if time.monotonic() - t0 > timeout_s:
+            timed_out = True
+            progress(f"job {sid}: still {status} after {timeout_s:g} s; stopping it")
+            c.stop_job(sid)
+            for _ in range(30):
+                info = c.get_job_info(sid)
+                if info.status.value in TERMINAL:
+                    break
+                time.sleep(1)
+            break
+        time.sleep(1.0)
+    stop.set()
+    streamer.join(timeout=5)
+    logs = c.get_job_logs(sid)
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(log_path).write_text(logs)
+    code = getattr(info, "driver_exit_code", None)
+    return Outcome(submission_id=sid, status="TIMEOUT" if timed_out else info.status.value,
+                   exit_code=124 if timed_out else code, elapsed_s=round(time.monotonic() - t0, 2),
+                   message=info.message or "", log_path=str(log_path or ""),
+                   log_tail="\n".join(logs.splitlines()[-40:]))
+
+
+def submit_and_wait(cfg, job, log_path: Path | str | None = None, progress: Progress = _stderr) -> Outcome:
+    c = client(cfg)
+    sid = submit(cfg, job, c, progress)
+    return wait(cfg, sid, job.timeout_s, log_path, c, progress)
+
+
+def stop(cfg, sid: str) -> bool:
+    """Ask Ray to stop a job; False when it had already ended (or is unknown)."""
+    c = client(cfg)
+    info = _info(c, sid)
+    if info is None or info.status.value in TERMINAL:
+        return False
+    return bool(c.stop_job(sid))
+
+
+# --- the built-in probe job ---------------------------------------------------------------------
+
+def probe(cfg, run=None, progress: Progress = _stderr, timeout_s: float = 300) -> tuple[Outcome, list[dict]]:
+    """Run launcher/probe_job.py on the cluster: one task per node. Returns the outcome and the
+    nodes it saw; recorded as the step `probe` of `run` when given."""
+    from launcher.plan import JobSpec
+    work = Path(tempfile.mkdtemp(prefix="v4-probe-"))
+    try:
+        shutil.copy(Path(__file__).with_name("probe_job.py"), work / "probe_job.py")
+        sid = f"{run.id}-probe" if run is not None else f"probe-{time.strftime('%Y%m%d-%H%M%S')}"
+        job = JobSpec(submission_id=sid,
+                      entrypoint=f"{shlex.quote(python_on_nodes(cfg))} probe_job.py --expect {len(cfg.nodes)}",
+                      runtime_env={"working_dir": str(work)}, entrypoint_num_cpus=0, entrypoint_num_gpus=0,
+                      timeout_s=timeout_s, submit="")
+        log = run.step_log("probe") if run is not None else None
+        if run is not None:
+            run.set_step("probe", "running", submission_id=sid)
+        outcome = submit_and_wait(cfg, job, log_path=log, progress=progress)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    seen = []
+    for line in outcome.log_tail.splitlines():
+        if line.startswith("V4_PROBE "):
+            seen = json.loads(line[len("V4_PROBE "):])["nodes"]
+    if run is not None:
+        run.set_step("probe", "done" if outcome.ok else "failed", **outcome.to_json(), nodes=seen)
+        run.finish("passed" if outcome.ok else "failed", error=None if outcome.ok else outcome.message,
+                   code=0 if outcome.ok else 1)
+    if not outcome.ok:
+        raise JobError(f"probe job {outcome.submission_id} {outcome.status}: {outcome.message}\n{outcome.log_tail}",
+                       fix="`v4 cluster status`, then the log above")
+    return outcome, seen
