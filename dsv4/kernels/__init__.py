@@ -70,3 +70,28 @@ def act_quant(x, block_size: int = 128, scale_fmt: str | None = None, impl: str 
         return tl_act_quant(x, block_size, scale_fmt)
     from dsv4.quant import act_quant as act_quant_ref
     return act_quant_ref(x, block_size, ue8m0=scale_fmt == "ue8m0")
+
+
+def tilelang_compile(program, out_idx, pass_configs: dict | None = None):
+    """Compile a TileLang PrimFunc for the current GPU. On Hopper the target is spelled out
+    (sm_90a, tvm_ffi) rather than auto-detected, so kernels prebuilt on a GPU-less machine with the same
+    target land in the same TileLang cache entry (TILELANG_CACHE_DIR) and are reused as they are."""
+    import tilelang
+    import torch
+    target = "auto"
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() == (9, 0):
+        target = HOPPER_TARGET
+    try:
+        return tilelang.compile(program, out_idx=out_idx, target=target, execution_backend="tvm_ffi",
+                                pass_configs=dict(pass_configs or {}))
+    except (TypeError, ValueError) as e:     # tilelang < 0.1.15 takes a Target object, not a dict
+        if target is not HOPPER_TARGET:
+            raise
+        import tvm
+        from tvm.target import Target
+        del e, tvm
+        return tilelang.compile(program, out_idx=out_idx, target=Target(HOPPER_TARGET), execution_backend="tvm_ffi",
+                                pass_configs=dict(pass_configs or {}))
+
+
+HOPPER_TARGET = {"kind": "cuda", "arch": "sm_90a"}

@@ -287,9 +287,9 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 
 @functools.lru_cache(maxsize=None)
 def _compile(kind: str, heads: int, dim: int, topk: int, sm_scale: float, cfg: tuple):
-    import tilelang
+    from . import tilelang_compile
     program, out_idx = {"fwd": (fwd_program, [4, 5]), "bwd": (bwd_program, [7])}[kind]
-    return tilelang.compile(program(heads, dim, topk, sm_scale), out_idx=out_idx, pass_configs=dict(cfg))
+    return tilelang_compile(program(heads, dim, topk, sm_scale), out_idx, dict(cfg))
 
 
 def fwd_kernel(heads: int, dim: int, topk: int, sm_scale: float, pass_configs: dict | None = None):

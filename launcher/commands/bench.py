@@ -1,0 +1,176 @@
+"""`v4 bench kernels`: TileLang kernel throughput next to the torch fallback, measured in the same run.
+
+FLOPs are counted explicitly, per query token and head, over all K index slots (padding included):
+  sparse attention forward : 4 * K * D        (scores q.k: 2KD, output p.v: 2KD)
+  sparse attention backward: 10 * K * D       (scores recomputed 2KD, dO.v 2KD, dq 2KD, dkv 2 x 2KD)
+  indexer logits           : 2 * N * Di       (q.k for every compressed entry, causal half included)
+TFLOP/s = FLOPs / median time of `--iters` timed runs after warm-up (CUDA events).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import click
+
+FWD_FLOPS = "4*B*S*H*K*D"
+BWD_FLOPS = "10*B*S*H*K*D"
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    name: str
+    B: int
+    S: int
+    N: int
+    H: int
+    D: int
+    K: int
+    ops: tuple[str, ...] = ("fwd", "bwd")
+    upstream: str = ""      # the upstream TileLang example measured at this shape (environment.md)
+
+
+SHAPE_SETS = {
+    "flash": [AttnShape("v4-flash", 1, 4096, 5120, 64, 512, 640, ("fwd", "bwd"),
+                        "upstream V4 illustration fwd: 320 TFLOP/s")],
+    "upstream": [
+        AttnShape("v4-fwd-example", 1, 4096, 8192, 128, 512, 1024, ("fwd",), "upstream V4 illustration: 354"),
+        AttnShape("v32-fwd", 1, 4096, 4096, 128, 512, 2048, ("fwd",), "upstream V3.2 fwd (D576): 331"),
+        AttnShape("v32-fwd-pipelined", 1, 4096, 8192, 128, 512, 2048, ("fwd",), "upstream V3.2 pipelined (D576): 548"),
+        AttnShape("v32-bwd", 1, 4096, 8192, 64, 512, 2048, ("bwd",), "upstream V3.2 bwd (D576): 190"),
+    ],
+}
+
+
+@dataclass
+class Row:
+    shape: str
+    op: str
+    impl: str
+    ms: float | None
+    tflops: float | None
+    note: str = ""
+
+
+def _median_ms(fn, warmup: int, iters: int) -> float:
+    import torch
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _inputs(sh: AttnShape):
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(sh.B, sh.S, sh.H, sh.D, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(sh.B, sh.N, sh.D, device="cuda", dtype=torch.bfloat16, generator=g)
+    sink = torch.randn(sh.H, device="cuda", generator=g)
+    # distinct rows per query (argsort of noise): the gather pattern of a real top-k, no duplicates
+    idx = torch.rand(sh.B * sh.S, sh.N, device="cuda", generator=g).argsort(-1)[:, :sh.K]
+    return q, kv, sink, idx.view(sh.B, sh.S, sh.K).int().contiguous()
+
+
+def bench_attention(sh: AttnShape, ops: tuple[str, ...], torch_fallback: bool, warmup: int, iters: int) -> list[Row]:
+    import torch
+    from dsv4.kernels import reference
+    from dsv4.kernels import tilelang_sparse_attn as tl
+
+    q, kv, sink, idx = _inputs(sh)
+    scale = sh.D ** -0.5
+    per = sh.B * sh.S * sh.H * sh.K * sh.D
+    flops = {"fwd": 4 * per, "bwd": 10 * per}
+    rows = []
+    qp, kvb, sinkp, idxp = tl._pad_inputs(q, kv, sink, idx)
+    o, lse2 = tl._fwd(qp, kvb, sinkp, idxp, scale)
+    dop = torch.randn_like(o)
+    runs = {"fwd": lambda: tl._fwd(qp, kvb, sinkp, idxp, scale),
+            "bwd": lambda: tl._bwd(qp, kvb, sinkp, idxp, o, lse2, dop, scale)}
+    for op in ops:
+        ms = _median_ms(runs[op], warmup, iters)
+        rows.append(Row(sh.name, op, "tilelang", ms, flops[op] / ms / 1e9, sh.upstream))
+    if torch_fallback:
+        for op in ops:
+            try:
+                if op == "fwd":
+                    with torch.no_grad():
+                        ms = _median_ms(lambda: reference.sparse_attn_gather(q, kv, sink, idx, scale), 1, 3)
+                else:
+                    leaves = [t.detach().clone().requires_grad_(True) for t in (q, kv, sink)]
+                    out = reference.sparse_attn_gather(*leaves, idx, scale)
+                    do = torch.randn_like(out)
+                    ms = _median_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), 1, 3)
+                    del out
+                rows.append(Row(sh.name, op, "torch", ms, flops[op] / ms / 1e9))
+            except torch.OutOfMemoryError:
+                rows.append(Row(sh.name, op, "torch", None, None, "out of memory"))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_indexer(warmup: int, iters: int) -> list[Row]:
+    import torch
+    from dsv4.kernels import reference
+    from dsv4.kernels.tilelang_indexer import indexer_logits
+    B, S, Hi, Di, ratio = 1, 4096, 64, 128, 4
+    N = S // ratio
+    q = torch.randn(B, S, Hi, Di, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, N, Di, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(B, S, Hi, device="cuda")
+    flops = 2 * B * S * N * Hi * Di
+    name = f"indexer B{B} S{S} N{N} Hi{Hi} Di{Di}"
+    ms_tl = _median_ms(lambda: indexer_logits(q, k, w, ratio), warmup, iters)
+    ms_t = _median_ms(lambda: reference.indexer_logits_ref(q, k, w, ratio), 1, 3)
+    return [Row(name, "fwd", "tilelang", ms_tl, flops / ms_tl / 1e9), Row(name, "fwd", "torch", ms_t, flops / ms_t / 1e9)]
+
+
+@click.group()
+def bench():
+    """Benchmarks on the local GPU."""
+
+
+@bench.command("kernels")
+@click.option("--shapes", default="flash,upstream", show_default=True,
+              help=f"comma-separated shape sets: {', '.join(SHAPE_SETS)}")
+@click.option("--ops", default="fwd,bwd", show_default=True, help="sparse attention passes to time")
+@click.option("--no-torch", is_flag=True, help="skip the torch fallback (it needs tens of GB at large shapes)")
+@click.option("--indexer/--no-indexer", default=True, show_default=True)
+@click.option("--warmup", default=3, show_default=True)
+@click.option("--iters", default=10, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
+def bench_kernels(shapes, ops, no_torch, indexer, warmup, iters, as_json):
+    """TFLOP/s of the TileLang sparse attention (fwd/bwd) and indexer, next to the torch fallback."""
+    import torch
+    if not torch.cuda.is_available():
+        raise click.UsageError("v4 bench kernels needs a CUDA GPU (none is visible)")
+    unknown = [s for s in shapes.split(",") if s not in SHAPE_SETS]
+    if unknown:
+        raise click.UsageError(f"unknown shape set(s) {unknown}; choose from {list(SHAPE_SETS)}")
+    ops = tuple(o for o in ops.split(",") if o)
+    rows, shapes_used = [], []
+    for set_name in shapes.split(","):
+        for sh in SHAPE_SETS[set_name]:
+            shape_ops = tuple(o for o in ops if o in sh.ops)
+            click.echo(f"[bench] {sh}", err=True)
+            shapes_used.append(asdict(sh))
+            rows += bench_attention(sh, shape_ops, not no_torch, warmup, iters)
+    if indexer:
+        rows += bench_indexer(warmup, iters)
+    report = {"device": torch.cuda.get_device_name(), "flops": {"fwd": FWD_FLOPS, "bwd": BWD_FLOPS,
+              "indexer": "2*B*S*N*Hi*Di"}, "shapes": shapes_used, "rows": [asdict(r) for r in rows]}
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"device: {report['device']}   FLOPs: fwd {FWD_FLOPS}, bwd {BWD_FLOPS} (K = top-k slots, padding included)")
+    click.echo(f"{'shape':<40} {'op':<4} {'impl':<9} {'ms':>9} {'TFLOP/s':>8}  note")
+    for r in rows:
+        ms = f"{r.ms:.3f}" if r.ms is not None else "-"
+        tf = f"{r.tflops:.1f}" if r.tflops is not None else "-"
+        click.echo(f"{r.shape:<40} {r.op:<4} {r.impl:<9} {ms:>9} {tf:>8}  {r.note}")
