@@ -288,7 +288,13 @@ class ChatEncoder:
         if spec is None or spec.loader is None:
             raise ValueError(f"{path}: cannot be imported as a Python module")
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        # registered while it executes: dataclasses (and pickling) look their module up by name
+        sys.modules[spec.name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(spec.name, None)
+            raise
         return cls(module, str(path))
 
     @classmethod

@@ -70,7 +70,7 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
                 say(f"[cluster] bringing up Ray on {len(cfg.nodes)} node(s) (no-op when healthy)")
                 run.set_step(step.name, "running")
                 st = cluster.up(cfg, progress=say)
-                run.set_step(step.name, "done", status=st.to_json())
+                run.set_step(step.name, "done", cluster=st.to_json())
             elif step.kind == "job":
                 _job(cfg, run, step, jobs)
             elif step.kind == "gates":
@@ -81,6 +81,10 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
         say(f"  logs:   v4 runs logs {plan.run_id}")
         say(f"  resume: v4 run --preset {cfg.selection.preset} --cluster {cfg.selection.cluster} "
             f"--hw {cfg.selection.hw} --resume {plan.run_id}")
+        raise
+    except BaseException as e:
+        # a bug or Ctrl-C: the run must not stay "running" in the registry
+        run.finish("failed", error=f"{type(e).__name__}: {e}", code=1)
         raise
     run.finish("passed")
     _summary(cfg, run, plan, time.time() - t0, as_json)
@@ -93,7 +97,7 @@ def _preflight(cfg, run, step: Step, skip_checks) -> None:
     run.set_step(step.name, "running")
     results = preflight.run_checks(cfg)
     say(preflight.render_table(results))
-    run.write_json("preflight.json", [asdict(r) for r in results])
+    run.record_preflight(results)
     strict = cfg["PRESET_STRICT_PREFLIGHT"]
     failing = [r for r in results if (r.status == "FAIL" or (strict and r.status == "WARN"))
                and r.name not in skip_checks]
@@ -113,6 +117,10 @@ def _job(cfg, run, step: Step, jobs) -> None:
         say(f"[{step.name}] done in an earlier attempt of this run; skipped")
         return
     say(f"[{step.name}] {step.doc}")
+    attempts = len(status.get("submission_ids", []))
+    if attempts:
+        # Ray keeps finished submissions: a resumed step needs a fresh id
+        step.job.submission_id = f"{step.job.submission_id}-r{attempts}"
     run.set_step(step.name, "running", submission_id=step.job.submission_id)
     log = run.dir / "steps" / step.name / "log"
     outcome = jobs.submit_and_wait(cfg, step.job, log_path=log, progress=say)

@@ -6,9 +6,7 @@ The plan is pure data rendered from templates; `v4 run --dry-run` prints it and 
 from __future__ import annotations
 
 import json
-import secrets
 import shlex
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -103,10 +101,6 @@ class Plan:
         return TEMPLATES.get_template("plan.txt.j2").render(plan=self)
 
 
-def new_run_id(prefix: str) -> str:
-    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
-
 def job_env(cfg: Config, run_dir: str) -> dict[str, str]:
     """Environment every job step gets (the runtime_env's env_vars)."""
     v = cfg
@@ -162,6 +156,8 @@ def job_step(cfg: Config, name: str, run_id: str, run_dir: str) -> Step:
 
 
 def build(cfg: Config, run_id: str | None = None) -> Plan:
+    from launcher.registry import new_run_id
+
     run_id = run_id or new_run_id(cfg["PRESET_RUN_ID_PREFIX"])
     run_dir = f"{cfg['V4_OUT']}/{run_id}"
     steps = [preflight_step(cfg), cluster_step(cfg)]

@@ -189,3 +189,19 @@ def test_checkpoint_encoder_file_is_loaded_and_preferred(tmp_path):
     (tmp_path / "encoding" / "encoding_dsv4.py").write_text("x = 1\n")
     with pytest.raises(ValueError, match="lacks.*render_message"):
         ChatEncoder.for_checkpoint(tmp_path)
+
+
+def test_the_shipped_encoder_copied_into_a_checkpoint_loads(tmp_path):
+    """The generator copies dsv4/encoding.py into checkpoints; loading it by path must work (it uses
+    dataclasses, which look their module up in sys.modules while the class is created)."""
+    import shutil
+    from pathlib import Path
+
+    import dsv4.encoding as builtin
+
+    (tmp_path / "encoding").mkdir()
+    shutil.copy(Path(builtin.__file__), tmp_path / "encoding" / "encoding_dsv4.py")
+    enc = ChatEncoder.for_checkpoint(tmp_path)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert enc.source.endswith("encoding_dsv4.py")
+    assert enc.canonical_text(msgs) == ChatEncoder.builtin().canonical_text(msgs)
