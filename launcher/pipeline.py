@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import sys
 import time
 from dataclasses import asdict
@@ -53,7 +54,10 @@ def check_available(plan: Plan) -> None:
 
 
 def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=False, as_json=False) -> None:
-    from launcher import cluster, jobs, preflight, registry
+    from launcher import cluster, jobs, registry
+
+    # Ray's SDK logs every upload and websocket at INFO on stderr; our own progress says what matters.
+    logging.getLogger("ray").setLevel(logging.WARNING)
 
     check_stage_order(cfg, force)
     check_available(plan)
@@ -149,7 +153,8 @@ def _gates(cfg, run, plan: Plan) -> None:
     failed = [r for r in results if not r.passed]
     if failed:
         raise GateError("gate(s) failed: " + ", ".join(f"{r.name} ({r.detail})" for r in failed))
-    if cfg["PRESET_STAGE"]:
+    if cfg["PRESET_STAGE"] and results:
+        # a stage with no gates evaluated proves nothing and unlocks nothing
         gating.record_pass(cfg, cfg["PRESET_STAGE"], plan.run_id, results)
 
 
