@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from dsv4 import model as ref
 from dsv4.config import ModelConfig
@@ -85,6 +86,7 @@ class DSV4Stage(nn.Module):
             self.hc_head_scale = mark_replicated(nn.Parameter(torch.empty(1)))
         self._freeze_untrained()
         self.input_tensor: torch.Tensor | None = None
+        self.recompute = False            # full activation recomputation per block (Trainer sets it)
 
     def _freeze_untrained(self) -> None:
         for name, p in self.named_parameters():
@@ -120,7 +122,11 @@ class DSV4Stage(nn.Module):
         else:
             X = self._streams_in(ids.shape[0])
         for layer in self.layers.values():
-            X = layer(X, ids, aux_weight)
+            if self.recompute and torch.is_grad_enabled():
+                # keep only each block's input; its activations are recomputed in backward
+                X = torch.utils.checkpoint.checkpoint(layer, X, ids, aux_weight, use_reentrant=False)
+            else:
+                X = layer(X, ids, aux_weight)
         if not self.ranks.last_stage:
             return self._streams_out(X)
         logits = self.head_logits(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm)

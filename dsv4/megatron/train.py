@@ -256,6 +256,7 @@ class Trainer:
             stage.load_weights(init)
         if tc.device == "cuda":
             stage = stage.cuda()
+        stage.recompute = tc.recompute == "full"
         self.stage = stage
         self.config = stage.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -514,3 +515,119 @@ def latest_checkpoint(root: Path) -> Path | None:
 def split_micro_batches(batch: dict, micro_batch_size: int) -> list[dict]:
     n = batch["tokens"].shape[0]
     return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]
+
+
+# ================================================================================================ the SFT loop
+@dataclass
+class Outputs:
+    """Where a training run writes. `init_checkpoint`: model-only checkpoint (jobs.convert_ckpt) to start
+    from when `checkpoints` holds none; None starts from the reference initialisation."""
+    checkpoints: Path
+    init_checkpoint: Path | None = None
+    reload_check: Path | None = None      # JSON of the save -> reload -> next-step check (None: skip it)
+    nonfinite: Path | None = None         # JSON naming the first non-finite module, written before exit 16
+
+
+def run_sft(tc: TrainConfig, step_batches: Callable[[int, int, int], Iterator[dict]], out: Outputs,
+            on_metrics: Callable[[dict], None] = lambda row: None, log: Callable[[str], None] = print) -> int:
+    """Train tc.num_steps optimizer steps (resuming from the latest checkpoint in out.checkpoints), then
+    run the reload check. step_batches(dp_rank, dp, start_step) yields, per step, this DP rank's rows
+    {tokens [gbs/dp, S+1], loss_mask [gbs/dp, S]}. Returns the exit code: 0, or 16 (non-finite)."""
+    trainer = Trainer(tc, init=None)
+    r = trainer.ranks
+    say = log if r.rank == 0 else (lambda msg: None)
+    start = _restore(trainer, out, say)
+    batches = step_batches(r.dp_rank, r.dp, start)
+    tokens_per_step = tc.global_batch_size * tc.seq_len
+    kill_at = int(os.environ.get("V4_KILL_AT_STEP", "0") or 0)     # test hook: die inside this step
+    ckpt = latest_checkpoint(out.checkpoints)
+    say(f"training steps {start + 1}..{tc.num_steps} on {r.world} rank(s): TP={r.tp} PP={r.pp} EP={r.ep} "
+        f"ETP={r.etp} DP={r.dp}, {trainer.n_micro} micro-batch(es) of {tc.micro_batch_size} x {tc.seq_len} per rank")
+    for step in range(start + 1, tc.num_steps + 1):
+        micro = split_micro_batches(next(batches), tc.micro_batch_size)
+        if step == kill_at and r.rank == 0:
+            say(f"V4_KILL_AT_STEP={kill_at}: killing rank 0 in the middle of step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        res = trainer.step(micro)
+        if not res.finite:
+            return _stop_nonfinite(trainer, res, out, say)
+        peak = torch.tensor([peak_memory_gb(tc.device)], device=trainer._comm_device())
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        row = {"step": step, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
+               "tokens": tokens_per_step, "loss_tokens": res.loss_tokens, "step_time_s": res.step_time_s,
+               "tokens_per_s": tokens_per_step / res.step_time_s, "peak_mem_gb": float(peak.item()),
+               "world": r.world}
+        if res.mtp_loss is not None:
+            row["mtp_loss"] = res.mtp_loss
+        if r.rank == 0:
+            on_metrics(row)
+        say(f"step {step}/{tc.num_steps} loss {res.loss:.4f} grad_norm {res.grad_norm:.3f} lr {res.lr:.2e} "
+            f"{res.step_time_s:.2f} s {row['tokens_per_s']:.0f} tok/s peak {row['peak_mem_gb']:.2f} GB")
+        if step % tc.save_interval == 0 or step == tc.num_steps:
+            ckpt = trainer.save(out.checkpoints)
+            say(f"saved {ckpt}")
+    if out.reload_check is not None:
+        if ckpt is None:   # nothing trained and nothing saved (num_steps = 0): save the start point
+            ckpt = trainer.save(out.checkpoints)
+        return reload_check(trainer, tc, ckpt, next(batches), out, say)
+    return 0
+
+
+def _restore(trainer: Trainer, out: Outputs, say) -> int:
+    """Resume from the latest checkpoint, else load the converted weights, else the reference init."""
+    ckpt = latest_checkpoint(out.checkpoints)
+    if ckpt is not None:
+        start = trainer.load(ckpt)
+        say(f"resumed from {ckpt} (step {start})")
+        return start
+    if out.init_checkpoint is not None:
+        trainer.load(out.init_checkpoint, with_optimizer=False)
+        say(f"loaded weights from {out.init_checkpoint}")
+    else:
+        trainer.stage.init_weights(trainer.tc.model.seed)
+        trainer.optimizer.reload_model_params()
+        say("no checkpoint given: reference initialisation")
+    return 0
+
+
+def _stop_nonfinite(trainer: Trainer, res: StepResult, out: Outputs, say) -> int:
+    info = res.nonfinite
+    where = f"module {info['module']!r} ({info['phase']} {info['kind']})" if info["module"] else info["kind"]
+    say(f"error: non-finite loss or gradient at step {info['step']} (loss {res.loss}); first at {where} "
+        f"on rank {info['rank']}; stopping with exit code {EXIT_NONFINITE}")
+    if trainer.ranks.rank == 0 and out.nonfinite is not None:
+        out.nonfinite.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out.nonfinite, json.dumps(info, indent=2, default=str))
+    dist.barrier()
+    return EXIT_NONFINITE
+
+
+def reload_check(trainer: Trainer, tc: TrainConfig, ckpt: Path, batch: dict, out: Outputs, say) -> int:
+    """Save -> reload -> the next step gives the identical loss. Step N+1 runs on the live trainer, then a
+    fresh model and optimizer load checkpoint N and run step N+1 on the same batch. Both the step's loss
+    and gradient norm, and the loss after the update (which needs the optimizer state), are recorded."""
+    micro = split_micro_batches(batch, tc.micro_batch_size)
+    a = trainer.step(micro)
+    a_after = trainer.eval_loss(micro)[0] if a.finite else float("nan")
+    trainer.close()
+    del trainer
+    gc.collect()
+    if tc.device == "cuda":
+        torch.cuda.empty_cache()
+    fresh = Trainer(tc, init=None)
+    fresh.load(ckpt)
+    b = fresh.step(micro)
+    b_after = fresh.eval_loss(micro)[0] if b.finite else float("nan")
+    result = {"step": fresh.iteration, "checkpoint": str(ckpt),
+              "loss_continued": a.loss, "loss_reloaded": b.loss,
+              "grad_norm_continued": a.grad_norm, "grad_norm_reloaded": b.grad_norm,
+              "loss_after_update_continued": a_after, "loss_after_update_reloaded": b_after}
+    result["identical"] = (a.loss == b.loss and a.grad_norm == b.grad_norm and a_after == b_after)
+    say(f"reload check at step {result['step']}: loss {a.loss!r} continued vs {b.loss!r} reloaded; "
+        f"after update {a_after!r} vs {b_after!r} -> {'identical' if result['identical'] else 'DIFFERENT'}")
+    if fresh.ranks.rank == 0:
+        out.reload_check.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out.reload_check, json.dumps(result, indent=2))
+    fresh.close()
+    dist.barrier()
+    return 0

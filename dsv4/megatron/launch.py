@@ -1,0 +1,118 @@
+"""Run one function per rank: in this process for world size 1, as Ray actors otherwise.
+
+For world > 1 the driver reserves a placement group of one bundle per rank (a GPU and a CPU on cuda,
+a CPU on cpu), starts one actor per bundle, orders the actors by (node IP, GPU id) so that
+neighbouring ranks share a node, and points every rank at rank 0's node for the rendezvous
+(MASTER_ADDR = rank 0's node IP, MASTER_PORT = a port rank 0 found free, unless one is given).
+
+`fn(rank, world, master_addr, master_port, payload) -> int` must be a module-level function (Ray
+pickles it by reference); its return value is the rank's exit code. The job's exit code is 16 when
+any rank reports 16 (non-finite loss/gradient), else the largest code; an actor that raises makes it 1.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from typing import Callable
+
+EXIT_NONFINITE = 16
+
+
+def combine_exit_codes(codes: list[int]) -> int:
+    if EXIT_NONFINITE in codes:
+        return EXIT_NONFINITE
+    return max(codes) if codes else 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def launch(fn: Callable, world: int, payload, device: str, master_port: int = 0, log=None) -> int:
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if world == 1:
+        return fn(0, 1, "127.0.0.1", master_port or free_port(), payload)
+    return _launch_ray(fn, world, payload, device, master_port, log)
+
+
+def _launch_ray(fn, world, payload, device, master_port, log) -> int:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if not ray.is_initialized():
+        # inside a Ray job RAY_ADDRESS points at the cluster; run alone, this starts a local one
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
+    gpu = device == "cuda"
+    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+    t0 = time.time()
+    if not _wait_ready(pg, timeout=600):
+        remove_placement_group(pg)
+        log(f"error: Ray could not place {world} ranks of {bundle} within 600 s; cluster resources: "
+            f"{ray.cluster_resources()}")
+        return 1
+    log(f"placement group of {world} x {bundle} ready in {time.time() - t0:.1f} s")
+    actor_cls = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(RankActor)
+    actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(world)]
+    try:
+        where = ray.get([a.where.remote() for a in actors])
+        order = sorted(range(world), key=lambda i: (_ip_key(where[i][0]), where[i][1]))
+        actors = [actors[i] for i in order]
+        master_addr = where[order[0]][0]
+        port = master_port or ray.get(actors[0].free_port.remote())
+        log(f"{world} ranks on {sorted({w[0] for w in where})}; rendezvous {master_addr}:{port}")
+        refs = [a.run.remote(fn, rank, world, master_addr, port, payload) for rank, a in enumerate(actors)]
+        codes = _gather(refs, log)
+    finally:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+    return combine_exit_codes(codes)
+
+
+def _wait_ready(pg, timeout: float) -> bool:
+    import ray
+    ready, _ = ray.wait([pg.ready()], timeout=timeout)
+    return bool(ready)
+
+
+def _gather(refs, log) -> list[int]:
+    """Every rank's exit code; a rank that raised counts as 1 (and its traceback is logged)."""
+    import ray
+    codes = []
+    for rank, ref in enumerate(refs):
+        try:
+            codes.append(int(ray.get(ref)))
+        except Exception as e:                     # RayTaskError / RayActorError: show it and go on
+            log(f"rank {rank} failed: {e}")
+            codes.append(1)
+    return codes
+
+
+def _ip_key(ip: str):
+    try:
+        return tuple(int(x) for x in ip.split("."))
+    except ValueError:
+        return (ip,)
+
+
+class RankActor:
+    """One training process. Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPU, so the rank uses cuda:0."""
+
+    def where(self) -> tuple[str, int]:
+        import ray
+        gpus = ray.get_gpu_ids()
+        return ray.util.get_node_ip_address(), int(gpus[0]) if gpus else 0
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def run(self, fn, rank, world, master_addr, master_port, payload) -> int:
+        os.environ["LOCAL_RANK"] = "0"
+        return fn(rank, world, master_addr, master_port, payload)
