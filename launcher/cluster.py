@@ -95,6 +95,16 @@ def _node_env(cfg) -> dict[str, str]:
     return env
 
 
+def same_path_mounted(path: str, mounts: list[str]) -> bool:
+    """`path` is visible at the same path in the container through one of the src:dst mounts."""
+    for m in mounts:
+        src, _, rest = m.partition(":")
+        dst = rest.split(":")[0]
+        if src == dst and (path == dst or path.startswith(dst.rstrip("/") + "/")):
+            return True
+    return False
+
+
 def cluster_commands(cfg, force: bool = False) -> list[NodeCommands]:
     """Every node's bring-up and teardown commands, head first."""
     python = python_on_nodes(cfg)
@@ -115,11 +125,11 @@ def cluster_commands(cfg, force: bool = False) -> list[NodeCommands]:
         if container:
             mounts = list(cfg.get("V4_DOCKER_MOUNTS", []) or [])
             work = str(cfg["V4_WORK"])
-            # Paths are baked on the host and used inside: V4_WORK must be at the same path there.
-            if not any(m.split(":")[1:2] == [work] for m in mounts):
-                mounts.append(f"{work}:{work}")
-            if not any(m.split(":")[1:2] == [local] for m in mounts):
-                mounts.append(f"{local}:{local}")
+            # Paths are baked on the host and used inside: V4_WORK and the node-local directory
+            # must be at the same path there.
+            for path in (work, local):
+                if not same_path_mounted(path, mounts):
+                    mounts.append(f"{path}:{path}")
             run_container = render("container_run.sh.j2", **ctx, container=container, image=image,
                                    gpus=expected_gpus(cfg) > 0, shm_size=cfg.get("V4_CONTAINER_SHM_SIZE", "200g"),
                                    mounts=mounts, workdir=work)

@@ -5,11 +5,13 @@ down next to a foreign Ray.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,16 @@ from conftest import tagged_pids
 from launcher import cluster
 
 pytestmark = pytest.mark.netns
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def v4(cfg, *args, check=True) -> subprocess.CompletedProcess:
+    """The real CLI, as a user runs it, against the test cluster's env file."""
+    r = subprocess.run([sys.executable, "-m", "launcher", *args, "--cluster", cfg.selection.cluster, "--hw", "cpu"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if check:
+        assert r.returncode == 0, f"v4 {' '.join(args)} -> {r.returncode}\n{r.stderr[-3000:]}"
+    return r
 
 
 def _alive(pid: int) -> bool:
@@ -55,6 +67,27 @@ def test_up_twice_is_a_noop(netns_cfg, ray_up, capsys):
     assert {n.ip: n.proc("raylet")["pid"] for n in st.nodes} == before
 
 
+def test_probe_job_runs_across_the_nodes(netns_cluster, netns_cfg, ray_up):
+    out = json.loads(v4(netns_cfg, "cluster", "probe", "--json").stdout)
+    hosts = netns_cluster.hosts
+    assert sorted(n["ip"] for n in out["nodes"]) == [h.ip for h in hosts]
+    assert sorted(n["hostname"] for n in out["nodes"]) == [h.hostname for h in hosts]
+    assert all(n["socket_ifname"] == f"v4eth{i}" for i, n in enumerate(sorted(out["nodes"], key=lambda n: n["ip"])))
+    run_id, sid = out["run_id"], out["outcome"]["submission_id"]
+    assert out["outcome"]["ok"] and out["outcome"]["exit_code"] == 0
+    # the registry tracked it ...
+    runs = json.loads(v4(netns_cfg, "runs", "ls", "--json").stdout)["runs"]
+    assert [r["status"] for r in runs if r["id"] == run_id] == ["passed"]
+    show = json.loads(v4(netns_cfg, "runs", "show", run_id[:-2], "--json").stdout)
+    assert show["steps"][0]["name"] == "probe" and show["steps"][0]["submission_id"] == sid
+    assert "V4_PROBE" in v4(netns_cfg, "runs", "logs", run_id).stdout
+    manifest = json.loads((Path(show["dir"]) / "manifest.json").read_text())
+    assert manifest["config"]["values"]["V4_MASTER_IP"] == hosts[0].ip and manifest["code"]["sha"]
+    # ... and so does the cluster
+    st = json.loads(v4(netns_cfg, "cluster", "status", "--json").stdout)
+    assert st["healthy"] and [j["status"] for j in st["jobs"] if j["submission_id"] == sid] == ["SUCCEEDED"]
+
+
 def test_killed_worker_raylet_shows_in_status_and_up_heals_it(netns_cluster, netns_cfg, ray_up):
     victim = cluster.status(netns_cfg).nodes[2]
     pid = victim.proc("raylet")["pid"]
@@ -63,6 +96,8 @@ def test_killed_worker_raylet_shows_in_status_and_up_heals_it(netns_cluster, net
     assert not st.healthy
     assert any(victim.ip in p and "raylet" in p for p in st.problems), st.problems
     assert [n.ip for n in st.nodes if not n.proc("raylet")["alive"]] == [victim.ip]
+    r = v4(netns_cfg, "cluster", "status", check=False)
+    assert r.returncode == 5 and f"pid {pid} DEAD" in r.stdout and "NOT healthy" in r.stdout
     healed = cluster.up(netns_cfg)              # restarts that worker only
     assert healed.healthy and healed.changed
     assert healed.nodes[0].proc("raylet")["pid"] == st.nodes[0].proc("raylet")["pid"]
