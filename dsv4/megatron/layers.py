@@ -115,6 +115,7 @@ class ParallelAttention(nn.Module):
             self.compressor = ref.Compressor(cfg, self.ratio, D)
         if self.ratio == 4:
             self.indexer = ref.Indexer(cfg)
+            self.indexer.masked_logits_output = True     # its scores are -inf where an entry is not yet complete
         for name, p in self.named_parameters():
             if not getattr(p, "tensor_model_parallel", False):
                 mark_replicated(p)

@@ -171,11 +171,11 @@ class NonFiniteMonitor:
         self.events: dict[str, list[tuple[str, str]]] = {"forward": [], "backward": []}
         self.first = {"forward": None, "backward": None}
 
-    def _record(self, phase: str, name: str, kind: str, tensors) -> None:
+    def _record(self, phase: str, name: str, kind: str, tensors, neg_inf_ok: bool = False) -> None:
         bad = None
         for t in tensors:
             if torch.is_tensor(t) and t.is_floating_point():
-                b = ~torch.isfinite(t).all()
+                b = (torch.isnan(t) | torch.isposinf(t)).any() if neg_inf_ok else ~torch.isfinite(t).all()
                 bad = b if bad is None else bad | b
         if bad is None:
             return
@@ -187,7 +187,8 @@ class NonFiniteMonitor:
     def _forward_hook(self, name: str):
         def hook(mod, args, out):
             outs = out if isinstance(out, (tuple, list)) else (out,)
-            self._record("forward", name, "output", outs)
+            # modules whose output carries -inf by design (masked scores) mark themselves
+            self._record("forward", name, "output", outs, getattr(mod, "masked_logits_output", False))
             for t in outs:
                 if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(self._grad_hook(name, "grad_output"))
