@@ -36,7 +36,10 @@ TOPK_MULTIPLE = 2 * FWD_BLOCK   # the forward consumes stages in pairs
 # TileLang pass configs, keyed by their string names so they mean the same thing across tilelang
 # versions. The backward must never run with aggressive shared-memory merge: on tilelang 0.1.9-0.1.10
 # it aliases a loop-carried buffer (tile-ai/tilelang#2199) and the gradients come out NaN.
-FWD_PASS_CONFIGS: dict[str, object] = {}
+# The forward places its own barriers: TileLang's automatic partial syncs gave the producer warpgroup and
+# warpgroup 0 the same named-barrier id (3), and the two then release each other's bar.sync (a hang).
+FWD_PASS_CONFIGS: dict[str, object] = {"tl.disable_thread_storage_sync": True}
+WG0_BAR, WG1_BAR = 1, 2  # named barriers (bar.sync id, 128 threads) of warpgroups 0 and 1
 BWD_PASS_CONFIGS: dict[str, object] = {
     "tl.enable_aggressive_shared_memory_merge": False,
     "tl.disable_tma_lower": True,
@@ -75,7 +78,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 
     @T.macro
     def scores_and_pv_l(Idx, N, b, s, i, q_l, q_r, kv_l, kv_r, full, empty, phase, acc_s, m, m_prev, alpha, l, l_blk,
-                        acc_o_l, p_sh, alpha_sh, p_full, p_empty):
+                        acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_mine):
         # warpgroup 0, block i: scores, online softmax, hand P to warpgroup 1, O_l += P @ V_l
         T.barrier_wait(full, phase)
         T.clear(acc_s)
@@ -99,6 +102,8 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         T.copy(alpha, alpha_sh)
         T.fence_proxy_async()                         # p_sh is read by wgmma (async proxy)
         T.barrier_arrive(p_full)
+        T.barrier_arrive(p_mine)                      # all four warps wrote their rows of p_sh
+        T.barrier_wait(p_mine, i & 1)
         T.gemm(p_sh, kv_l, acc_o_l, policy=T.GemmWarpPolicy.FullRow)
         T.barrier_arrive(empty)
 
@@ -161,13 +166,20 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             empty1 = T.alloc_barrier(arrive_count=256)
             p_full = T.alloc_barrier(arrive_count=128)
             p_empty = T.alloc_barrier(arrive_count=128)
+            p_mine = T.alloc_barrier(arrive_count=128)       # warpgroup 0 alone: p_sh complete before its wgmma
 
             tx = T.get_thread_binding()
             T.copy(Q[b, s, h0:h0 + HB, 0:D2], q_l)
             T.copy(Q[b, s, h0:h0 + HB, D2:dim], q_r)
+            T.fence_proxy_async()
             T.barrier_arrive(bar_q)
 
-            if tx < 128:
+            if tx >= 256:                                     # producer
+                T.set_max_nreg(56, 0)
+                for k in T.serial(n_pairs):
+                    gather(KV, Idx, b, s, tx, row, 2 * k, kv0_l, kv0_r, full0, empty0, k & 1)
+                    gather(KV, Idx, b, s, tx, row, 2 * k + 1, kv1_l, kv1_r, full1, empty1, k & 1)
+            elif tx < 128:
                 T.set_max_nreg(240, 1)
                 T.fill(m, neg_big)
                 T.fill(l, 0)
@@ -175,9 +187,9 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                 T.barrier_wait(bar_q, 0)
                 for k in T.serial(n_pairs):
                     scores_and_pv_l(Idx, N, b, s, 2 * k, q_l, q_r, kv0_l, kv0_r, full0, empty0, k & 1,
-                                    acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty)
+                                    acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_mine)
                     scores_and_pv_l(Idx, N, b, s, 2 * k + 1, q_l, q_r, kv1_l, kv1_r, full1, empty1, k & 1,
-                                    acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty)
+                                    acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_mine)
                 # fold in the sink: M = max(m, sink) keeps rows with no valid slot finite
                 for h in T.Parallel(HB):
                     m_prev[h] = T.max(m[h] * scale2, Sink[h0 + h] * LOG2E)        # final max, base 2
@@ -191,8 +203,10 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                 T.copy(alpha, alpha_sh)
                 T.barrier_arrive(p_full)
                 T.copy(acc_o_l, q_l)                          # q_l is free: all score GEMMs are done
+                T.fence_proxy_async()
+                T.sync_threads(WG0_BAR, 128)
                 T.copy(q_l, O[b, s, h0:h0 + HB, 0:D2])
-            elif tx < 256:
+            else:
                 T.set_max_nreg(216, 1)
                 T.fill(acc_o_r, 0)
                 for k in T.serial(n_pairs):
@@ -202,13 +216,9 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                 for h, d in T.Parallel(HB, D2):
                     acc_o_r[h, d] *= alpha_sh[h]
                 T.copy(acc_o_r, q_r)                          # warpgroup 0 finished its last score GEMM
+                T.fence_proxy_async()
+                T.sync_threads(WG1_BAR, 128)
                 T.copy(q_r, O[b, s, h0:h0 + HB, D2:dim])
-            else:
-                T.set_max_nreg(56, 0)
-                for k in T.serial(n_pairs):
-                    gather(KV, Idx, b, s, tx, row, 2 * k, kv0_l, kv0_r, full0, empty0, k & 1)
-                    gather(KV, Idx, b, s, tx, row, 2 * k + 1, kv1_l, kv1_r, full1, empty1, k & 1)
-
     return sparse_attn_fwd
 
 
