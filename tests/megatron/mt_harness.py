@@ -26,7 +26,7 @@ class Spec:
     model_overrides: dict = field(default_factory=dict)
     seq_len: int = 32
     micro_batch_size: int = 1
-    global_batch_size: int = 4
+    global_batch_size: int = 2
     distributed_optimizer: bool = False
 
 
@@ -126,3 +126,46 @@ def compare(result: dict, base: dict) -> dict:
             "grad_norm_rel": abs(result["grad_norm"] - base["grad_norm"]) / base["grad_norm"],
             "after_update_abs": abs(result["loss_after_update"] - base["loss_after_update"]),
             "grad_max_abs": worst_abs, "grad_max_rel": worst_rel, "grad_worst_key": worst_key}
+
+
+def _reference_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """World size 1, TP = PP = EP = 1: the megatron stage against dsv4.model.Transformer on the same
+    weights and tokens. Records parameter, loss and gradient differences (bitwise expected)."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    import torch.nn.functional as F
+    from dsv4 import model as ref
+    from dsv4.config import ModelConfig
+    from dsv4.megatron.model import Objective, model_provider
+    from dsv4.megatron.parallel import Layout, init_parallel
+    from dsv4.megatron.train import init_distributed
+    init_distributed(0, 1, "gloo", "cpu", "127.0.0.1", port)
+    init_parallel(Layout(), 1)
+    cfg = ModelConfig.preset("tiny")
+    stage = model_provider(cfg, Layout(), Objective())
+    stage.init_weights(cfg.seed)
+    R = ref.Transformer(cfg)
+    batch = global_batch(Spec("ref", global_batch_size=2, seq_len=64), cfg.vocab_size)
+    ids, labels, mask = batch["tokens"][:, :-1], batch["tokens"][:, 1:], batch["loss_mask"]
+    ours = stage(ids, labels, mask)[0]
+    ours.backward()
+    o = R(ids)
+    theirs = (F.cross_entropy(o.logits.flatten(0, 1), labels.flatten(), reduction="none").view(ids.shape) * mask).sum()
+    theirs.backward()
+    rp = dict(R.named_parameters())
+    result = {"loss": (ours.item(), theirs.item()), "param_mismatch": [], "grad_mismatch": [], "n_grads": 0}
+    for name, p in stage.named_parameters():
+        if not torch.equal(p, rp[name]):
+            result["param_mismatch"].append(name)
+        if p.grad is not None:
+            result["n_grads"] += 1
+            if not torch.equal(p.grad, rp[name].grad):
+                result["grad_mismatch"].append((name, (p.grad - rp[name].grad).abs().max().item()))
+    result["finite"] = bool(torch.isfinite(ours)) and all(torch.isfinite(p.grad).all() for p in stage.parameters()
+                                                           if p.grad is not None)
+    torch.save(result, Path(out_dir) / "reference.pt")
+
+
+def run_reference(out_dir: Path) -> dict:
+    mp.spawn(_reference_worker, args=(1, free_port(), str(out_dir)), nprocs=1, join=True)
+    return torch.load(Path(out_dir) / "reference.pt", weights_only=False)
