@@ -299,7 +299,8 @@ def up(cfg, nodes: list[Node] | None = None, progress: Progress = _stderr) -> Cl
         progress(f"containers: ensuring {cfg['V4_CONTAINER']} runs {cfg['V4_IMAGE']} on {len(nodes)} node(s)")
         _check(fan_out(nodes, lambda n: n.host().run(next(c for c in cmds if c.ip == n.name).container)),
                "docker run")
-    if _needs_start(head) or not st.gcs_ok:
+    head_started = _needs_start(head) or not st.gcs_ok
+    if head_started:
         progress(f"head {head.ip}: starting Ray (GCS :{cfg['V4_RAY_PORT']}, dashboard :{cfg['V4_DASHBOARD_PORT']})")
         _check([by_ip[head.ip].run(cmds[0].start)], "ray start (head)")
         todo = cmds[1:]                       # a new head: every worker must (re)join it
@@ -309,7 +310,13 @@ def up(cfg, nodes: list[Node] | None = None, progress: Progress = _stderr) -> Cl
         progress(f"workers: starting Ray on {', '.join(c.ip for c in todo)}")
         _check(fan_out([by_ip[c.ip] for c in todo], lambda n: n.run(next(c for c in todo if c.ip == n.name).start)),
                "ray start (worker)")
-    st = wait_ready(cfg, nodes, progress=progress)
+    wait_ready(cfg, nodes, progress=progress)
+    # Record again now that every daemon is up (agents start after `ray start` returns).
+    started = [cmds[0], *todo] if head_started else todo
+    fan_out([by_ip[c.ip] for c in started],
+            lambda n: n.run(f"{shlex.quote(python_on_nodes(cfg))} {shlex.quote(node_local_dir(cfg, n.name))}/ray_procs.py "
+                            f"record {shlex.quote(node_local_dir(cfg, n.name))} >/dev/null", timeout=60))
+    st = status(cfg, nodes)
     st.changed = True
     progress(f"cluster {st.cluster}: ready, {len(st.nodes)} node(s) in {time.monotonic() - t0:.1f} s")
     return st
@@ -328,7 +335,7 @@ def wait_ready(cfg, nodes: list[Node], progress: Progress = _stderr, timeout: fl
             progress(line)
             last = line
         if st.healthy:
-            return status(cfg, nodes)          # the full view, with recorded processes
+            return st
         if time.monotonic() > deadline:
             missing = [ns.ip for ns in st.nodes if ns.gcs_state != "ALIVE"]
             raise ClusterError(

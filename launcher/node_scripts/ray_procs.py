@@ -84,9 +84,12 @@ def record(local_dir):
     procs = []
     for pid in marked(token):
         try:
-            procs.append({"pid": pid, "start": proc_start(pid), "name": proc_name(pid)})
+            p = {"pid": pid, "start": proc_start(pid), "name": proc_name(pid)}
         except OSError:
-            pass
+            continue
+        # Daemons only: task/actor workers (ray::IDLE, ray::f) come and go; `stop` finds them by token.
+        if not p["name"].startswith("ray::") or p["name"].endswith("Agent"):
+            procs.append(p)
     rec = {"session": token, "recorded_at": time.time(), "procs": procs}
     tmp = os.path.join(local_dir, RECORD + ".tmp")
     with open(tmp, "w") as f:
