@@ -84,7 +84,7 @@ def tilelang_compile(program, out_idx, pass_configs: dict | None = None):
     try:
         return tilelang.compile(program, out_idx=out_idx, target=target, execution_backend="tvm_ffi",
                                 pass_configs=dict(pass_configs or {}))
-    except (TypeError, ValueError) as e:     # tilelang < 0.1.15 takes a Target object, not a dict
+    except (TypeError, ValueError, AttributeError) as e:   # tilelang < 0.1.15 wants a Target object
         if target is not HOPPER_TARGET:
             raise
         import tvm
