@@ -169,3 +169,33 @@ def _reference_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def run_reference(out_dir: Path) -> dict:
     mp.spawn(_reference_worker, args=(1, free_port(), str(out_dir)), nprocs=1, join=True)
     return torch.load(Path(out_dir) / "reference.pt", weights_only=False)
+
+
+def _roundtrip_worker(rank: int, world: int, port: int, tp: int, ckpt: str, bf16: str, out_dir: str) -> None:
+    """Load a converted checkpoint at TP = `tp` and compare every local shard with the BF16 source."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from dsv4.checkpoint import load_state_dict
+    from dsv4.config import ModelConfig
+    from dsv4.megatron.parallel import Layout, init_parallel, shard_index
+    from dsv4.megatron.train import TrainConfig, Trainer, init_distributed
+    init_distributed(rank, world, "gloo", "cpu", "127.0.0.1", port)
+    cfg = ModelConfig.preset("tiny")
+    tc = TrainConfig(model=cfg, layout=Layout(tp=tp), seq_len=32, global_batch_size=world // tp)
+    init_parallel(tc.layout, tc.seed)
+    tr = Trainer(tc, init=None)
+    tr.load(Path(ckpt), with_optimizer=False)
+    src = load_state_dict(bf16, cfg)
+    shapes = cfg.param_shapes()
+    bad, n = [], 0
+    for key, p, _ in tr.stage.checkpoint_params():
+        want = src[key][shard_index(p, shapes[key], tr.ranks)].to(p.dtype)
+        n += 1
+        if not torch.equal(p.detach(), want):
+            bad.append(key)
+    torch.save({"checked": n, "mismatch": bad}, Path(out_dir) / f"roundtrip.rank{rank}.pt")
+
+
+def run_roundtrip(ckpt: Path, bf16: Path, tp: int, out_dir: Path) -> list[dict]:
+    mp.spawn(_roundtrip_worker, args=(tp, free_port(), tp, str(ckpt), str(bf16), str(out_dir)), nprocs=tp, join=True)
+    return [torch.load(Path(out_dir) / f"roundtrip.rank{r}.pt") for r in range(tp)]

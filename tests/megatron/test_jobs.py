@@ -1,0 +1,148 @@
+"""The training-side jobs end to end on CPU: convert -> load round trip, SFT with metrics and the
+save -> reload check, resume after a kill, a planted NaN stopping with exit 16, and the Ray driver
+for more than one rank. Jobs run as `python -m jobs.<name> --run-dir DIR` subprocesses on a
+generated tiny checkpoint in the official layout (dequantized to BF16 first)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mt_harness as H
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "data" / "sft_smoke.jsonl"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A generated tiny checkpoint, dequantized to BF16 (what the weights and dequantize steps make)."""
+    from dsv4.checkpoint import dequantize_checkpoint, generate_checkpoint
+    from dsv4.config import ModelConfig
+    from jobs.common import mark_done
+    d = tmp_path_factory.mktemp("models")
+    cfg = ModelConfig.preset("tiny")
+    generate_checkpoint(cfg, d / "official", seed=cfg.seed)
+    dequantize_checkpoint(d / "official", d / "bf16")
+    mark_done(d / "bf16", {"test": True})
+    return d
+
+
+def make_run(run_dir: Path, models: Path, **values) -> Path:
+    """A run directory with the config.json the launcher would write (only the keys these jobs read)."""
+    v = dict(PRESET_MODEL="tiny", PRESET_MODEL_OVERRIDES=[], ATTN_IMPL="torch", HW_DEVICE="cpu",
+             HW_DIST_BACKEND="gloo", PRESET_TP=1, PRESET_PP=1, PRESET_EP=1, PRESET_ETP=1, PRESET_CP=1,
+             PRESET_SEQ_LEN=32, PRESET_MICRO_BATCH_SIZE=1, PRESET_GLOBAL_BATCH_SIZE=2, PRESET_NUM_STEPS=3,
+             PRESET_LR=1e-3, PRESET_MIN_LR=0.0, PRESET_LR_DECAY_STYLE="constant", PRESET_LR_WARMUP_ITERS=0,
+             PRESET_WEIGHT_DECAY=0.1, PRESET_SEED=1234, PRESET_SAVE_INTERVAL=1, PRESET_SAVE_RETAIN_INTERVAL=0,
+             HW_RECOMPUTE_GRANULARITY="none", WORLD_SIZE=1, V4_NUM_NODES=1, V4_NUM_GPUS_PER_NODE=1,
+             CKPT_HF_DIR=str(models / "official"), CKPT_BF16_DIR=str(models / "bf16"),
+             CKPT_TORCH_DIST=str(models / "torch_dist"), PRESET_DATA=str(DATA), V4_SFT_DATA=str(DATA),
+             V4_SOCKET_IFNAME="lo", PRESET_WEIGHTS="generate", V4_DIST_PORT=0)
+    v.update(values)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({"values": v}))
+    return run_dir
+
+
+def job(name: str, run_dir: Path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    for k in ("V4_PLANT_NAN", "V4_KILL_AT_STEP"):
+        if k not in env:
+            e.pop(k, None)
+    return subprocess.run([sys.executable, "-m", f"jobs.{name}", "--run-dir", str(run_dir)], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def converted(models, tmp_path_factory):
+    run = make_run(tmp_path_factory.mktemp("convert"), models)
+    p = job("convert_ckpt", run)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (models / "torch_dist" / ".v4-done.json").is_file()
+    again = job("convert_ckpt", run)                     # the sentinel makes a re-run a no-op
+    assert again.returncode == 0 and "skipped" in again.stderr
+    return models
+
+
+@pytest.fixture(scope="module")
+def trained(converted, tmp_path_factory):
+    run = make_run(tmp_path_factory.mktemp("train"), converted)
+    p = job("train_sft", run)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "loaded weights from" in p.stderr
+    return run
+
+
+def test_convert_then_load_round_trip_at_another_layout(converted, tmp_path):
+    """Converted at world 1, loaded at TP=2: every shard equals the BF16 source slice."""
+    for r in H.run_roundtrip(converted / "torch_dist", converted / "bf16", 2, tmp_path):
+        assert r["checked"] > 100 and r["mismatch"] == []
+
+
+def test_sft_metrics_and_reload_check(trained):
+    rows = metrics(trained)
+    assert sorted(rows) == [1, 2, 3]
+    for r in rows.values():
+        for k in ("loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "peak_mem_gb", "world"):
+            assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (k, r)
+    assert rows[3]["loss"] < rows[1]["loss"]
+    check = json.loads((trained / "steps" / "train" / "reload_check.json").read_text())
+    assert math.isfinite(check["loss_continued"])
+    assert check["loss_continued"] == check["loss_reloaded"]
+    assert check["grad_norm_continued"] == check["grad_norm_reloaded"]
+    assert check["loss_after_update_continued"] == check["loss_after_update_reloaded"]
+    assert check["identical"] is True and check["step"] == 4
+    assert (trained / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert [d.name for d in (trained / "checkpoints").glob("iter_*")] == ["iter_0000003"]
+
+
+def test_resume_after_kill_midway_matches_uninterrupted(trained, converted, tmp_path):
+    run = make_run(tmp_path / "run", converted)
+    killed = job("train_sft", run, V4_KILL_AT_STEP="3")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert sorted(metrics(run)) == [1, 2]
+    resumed = job("train_sft", run)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "iter_0000002" in resumed.stderr
+    a, b = metrics(trained), metrics(run)
+    assert [b[s]["loss"] for s in (1, 2, 3)] == [a[s]["loss"] for s in (1, 2, 3)]
+    ca = json.loads((trained / "steps/train/reload_check.json").read_text())
+    cb = json.loads((run / "steps/train/reload_check.json").read_text())
+    assert cb["loss_reloaded"] == ca["loss_reloaded"]
+
+
+def test_planted_nan_stops_with_exit_16_naming_the_module(converted, tmp_path):
+    run = make_run(tmp_path / "run", converted, PRESET_NUM_STEPS=2)
+    p = job("train_sft", run, V4_PLANT_NAN="layers.1.attn:2")
+    assert p.returncode == 16, p.stderr[-3000:]
+    info = json.loads((run / "steps" / "train" / "nonfinite.json").read_text())
+    assert (info["step"], info["module"], info["phase"], info["rank"]) == (2, "layers.1.attn", "forward", 0)
+    assert sorted(metrics(run)) == [1]                  # step 2 never reached the metrics
+    assert not (run / "steps" / "train" / ".v4-done.json").exists()
+
+
+def test_ray_driver_two_ranks_backward_nan(converted, tmp_path):
+    """World 2 (TP=2) through the Ray driver: one actor per rank, step 1 trains and saves, a NaN planted
+    in a gradient at step 2 stops every rank with exit 16 and names the module."""
+    run = make_run(tmp_path / "run", converted, PRESET_TP=2, WORLD_SIZE=2, V4_NUM_GPUS_PER_NODE=2,
+                   PRESET_NUM_STEPS=2, PRESET_GLOBAL_BATCH_SIZE=1)
+    p = job("train_sft", run, timeout=400, RAY_ADDRESS="local", V4_PLANT_NAN="layers.2.ffn.shared_experts.w2:2:backward")
+    assert p.returncode == 16, p.stderr[-4000:]
+    assert "placement group of 2" in p.stderr
+    rows = metrics(run)
+    assert sorted(rows) == [1] and rows[1]["world"] == 2 and math.isfinite(rows[1]["loss"])
+    assert (run / "checkpoints" / "iter_0000001").is_dir()
+    info = json.loads((run / "steps" / "train" / "nonfinite.json").read_text())
+    assert (info["step"], info["module"], info["phase"]) == (2, "layers.2.ffn.shared_experts.w2", "backward")
+    assert len(info["per_rank"]) == 2
