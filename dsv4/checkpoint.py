@@ -217,7 +217,7 @@ class ShardWriter:
         if name != want_name or _ST_DTYPES.get(t.dtype) != dtype or tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{self.path.name}: expected {want_name} {dtype} {list(shape)}, got {name} "
                                   f"{_ST_DTYPES.get(t.dtype, t.dtype)} {list(t.shape)}")
-        self.f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        self.f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))  # no extra copy
         self.next += 1
 
     def close(self) -> None:

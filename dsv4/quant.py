@@ -12,6 +12,9 @@ convert power-of-two scales to and from the 1-byte e8m0 storage format (value 2^
 """
 from __future__ import annotations
 
+import sys
+from functools import lru_cache
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -20,7 +23,6 @@ FP8_MAX = 448.0
 FP4_MAX = 6.0
 # e2m1 code -> value; bit 3 is the sign, bits 0-2 index the magnitude
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 # ---------------------------------------------------------------------------------------------- scales
@@ -67,9 +69,19 @@ def act_dequant(q: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Ten
 
 
 # ---------------------------------------------------------------------------------------------- FP8 weights
+def _row_chunks(n_rows: int, row_elems: int, multiple: int = 1, target: int = 1 << 19) -> int:
+    """Rows per chunk so that a chunk's temporaries stay cache-sized (elementwise chains run ~2-3x faster)."""
+    rows = max(1, target // max(row_elems, 1)) // multiple * multiple
+    return max(rows, multiple)
+
+
 def weight_quant_fp8(w: torch.Tensor, block: int = 128, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] -> (e4m3 [N, K], scale fp32 [ceil(N/block), ceil(K/block)]); ragged edge blocks are allowed."""
     n, k = w.shape
+    step = _row_chunks(n, k, block)
+    if n > step:
+        parts = [weight_quant_fp8(c, block, ue8m0) for c in w.split(step)]
+        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
     nb, kb = -(-n // block), -(-k // block)
     wp = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
     blocks = wp.view(nb, block, kb, block)
@@ -81,20 +93,45 @@ def weight_quant_fp8(w: torch.Tensor, block: int = 128, ue8m0: bool = True) -> t
 def weight_dequant_fp8(q: torch.Tensor, s: torch.Tensor, block: int = 128, dtype=torch.bfloat16) -> torch.Tensor:
     """W[i, j] = float(q[i, j]) * s[i // block, j // block]."""
     n, k = q.shape
-    s = from_e8m0(s) if s.dtype == E8M0 else s.float()
+    step = _row_chunks(n, k, block)
+    if n > step and n % block == 0:
+        out = torch.empty(n, k, dtype=dtype, device=q.device)
+        for i in range(0, n, step):
+            out[i:i + step] = weight_dequant_fp8(q[i:i + step], s[i // block:(i + step) // block], block, dtype)
+        return out
+    pow2 = s.dtype == E8M0
+    s = from_e8m0(s) if pow2 else s.float()
+    if n % block == 0 and k % block == 0:
+        blocks = (n // block, block, k // block, block)
+        if pow2 and dtype == torch.bfloat16 and float(s.max()) <= 2.0 ** 7:
+            # e4m3 values and power-of-two scales are exact in bf16: widen the bits directly (2x faster than .to())
+            w = _e4m3_bits_as_bf16(q).view(blocks) * (s * 2.0 ** 120).to(torch.bfloat16)[:, None, :, None]
+            return w.view(n, k)
+        w = q.view(blocks).float() * s[:, None, :, None]
+        return w.view(n, k).to(dtype)
     full = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
     return (q.float() * full).to(dtype)
 
 
+def _e4m3_bits_as_bf16(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 -> bf16 whose value is 2^-120 times the e4m3 value: sign to bit 15, exponent+mantissa shifted
+    left by 4 (e4m3 subnormals land on bf16 subnormals, so the one rule covers both). NaN codes stay NaN."""
+    b = q.view(torch.uint8).to(torch.int16)
+    x = (((b & 0x7F) << 4) | ((b & 0x80) << 8)).view(torch.bfloat16)
+    nan = (b & 0x7F) == 0x7F
+    return x.masked_fill(nan, float("nan")) if bool(nan.any()) else x
+
+
 # ---------------------------------------------------------------------------------------------- FP4 e2m1
 def fp4_encode(y: torch.Tensor) -> torch.Tensor:
-    """Round already-scaled values (|y| <= 6) to e2m1 codes (uint8 0..15), round-to-nearest-even on ties."""
+    """Round already-scaled values (|y| <= 6) to e2m1 codes (uint8 0..15), round-to-nearest-even on ties.
+    The e2m1 grid has step 0.5 below 2, 1 below 4 and 2 up to 6; torch.round is half-to-even on each step
+    grid, which is the even-code choice (e.g. 0.75 -> 1, 1.25 -> 1, 2.5 -> 2, 5 -> 4)."""
     a = y.abs().float()
-    mid = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=y.device)
-    lo = torch.bucketize(a, mid, right=False)   # ties -> lower code
-    hi = torch.bucketize(a, mid, right=True)    # ties -> upper code
-    code = torch.where(lo % 2 == 0, lo, hi)     # on a tie pick the even code (RNE); otherwise lo == hi
-    return (code | (torch.signbit(y).to(torch.int64) << 3)).to(torch.uint8)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    v = torch.round(a / step) * step                                   # a value of the magnitude grid
+    mag = torch.where(v < 2, v * 2, torch.where(v < 4, v + 2, v / 2 + 4))   # 0,.5,1,1.5,2,3,4,6 -> 0..7
+    return (mag.to(torch.uint8) | (torch.signbit(y).to(torch.uint8) << 3))
 
 
 def fp4_decode(code: torch.Tensor) -> torch.Tensor:
@@ -131,12 +168,39 @@ def fp4_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def mxfp4_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed-expert weight [N, K] -> (packed int8 [N, K/2], e8m0 scales [N, K/32]): the released layout."""
+    step = _row_chunks(w.shape[0], w.shape[1])
+    if w.shape[0] > step:
+        parts = [mxfp4_quant(c) for c in w.split(step)]
+        return torch.cat([p for p, _ in parts]), torch.cat([s for _, s in parts])
     codes, s = fp4_quant(w, 32)
     return fp4_pack(codes), to_e8m0(s)
 
 
+@lru_cache(maxsize=4)
+def _fp4_quad_table(dtype: torch.dtype) -> torch.Tensor:
+    """[65536, 4]: two packed bytes (as one little-endian int16) -> their four e2m1 values, lowest nibble first."""
+    b = torch.arange(65536)
+    v = torch.tensor(FP4_VALUES)
+    return torch.stack([v[(b >> sh) & 0x0F] for sh in (0, 4, 8, 12)], dim=-1).to(dtype)
+
+
 def mxfp4_dequant(packed: torch.Tensor, s: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    return fp4_dequant(fp4_unpack(packed), s, 32).to(dtype)
+    """[N, K/2] packed + [N, K/32] e8m0 -> [N, K]. e2m1 values times power-of-two scales are exact in bf16.
+    Looks up two bytes at a time (a 512 KB table) which is ~2x faster than unpacking nibbles."""
+    n, half = packed.shape
+    step = _row_chunks(n, half * 2)
+    if n > step:
+        out = torch.empty(n, half * 2, dtype=dtype, device=packed.device)
+        for i in range(0, n, step):
+            out[i:i + step] = mxfp4_dequant(packed[i:i + step], s[i:i + step], dtype)
+        return out
+    cdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    if half % 2 or packed.device.type != "cpu" or not packed.is_contiguous() or sys.byteorder != "little":
+        vals = fp4_decode(fp4_unpack(packed)).to(cdt)
+    else:
+        vals = _fp4_quad_table(cdt)[packed.view(torch.int16).int() & 0xFFFF]              # [N, K/4, 4]
+    w = vals.reshape(n, half * 2 // 32, 32) * from_e8m0(s).to(cdt).unsqueeze(-1)
+    return w.view(n, half * 2).to(dtype)
 
 
 def fp4_to_fp8(packed: torch.Tensor, s32: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

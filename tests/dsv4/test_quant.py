@@ -128,3 +128,20 @@ def test_act_qdq_pads_ragged_last_dim():
     y = quant.fp8_act_qdq(x, 128)
     q, s = quant.act_quant(torch.nn.functional.pad(x, (0, 64)), 128)
     assert torch.equal(y, quant.act_dequant(q, s, 128)[:, :64])
+
+
+def test_fast_dequant_paths_are_exact_on_every_code():
+    """The bf16 bit-widening FP8 path and the two-byte FP4 table agree with plain float arithmetic on all codes,
+    subnormals and NaN included."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(128, 64)              # [128, 16384]: every byte, many times
+    q8 = codes.view(torch.float8_e4m3fn)[:, :256]
+    s = quant.to_e8m0(torch.tensor([[2.0 ** -9, 2.0 ** 3]]))
+    fast = quant.weight_dequant_fp8(q8, s, dtype=torch.bfloat16).float()
+    slow = q8.float() * torch.tensor([2.0 ** -9] * 128 + [2.0 ** 3] * 128)
+    assert torch.equal(fast.isnan(), slow.isnan()) and fast.isnan().any()
+    assert torch.equal(fast.nan_to_num(), slow.nan_to_num())
+    packed = codes.view(torch.int8)
+    s4 = quant.to_e8m0(torch.full((128, packed.shape[1] * 2 // 32), 2.0 ** -3))
+    want = quant.fp4_dequant(quant.fp4_unpack(packed), s4, 32)
+    assert torch.equal(quant.mxfp4_dequant(packed, s4, torch.float32), want)
+    assert torch.equal(quant.mxfp4_dequant(packed, s4).float(), want)

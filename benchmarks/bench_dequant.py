@@ -1,0 +1,72 @@
+"""Dequantizer throughput on a generated checkpoint, next to a plain copy of the same bytes (same run).
+
+    .venv/bin/python benchmarks/bench_dequant.py [--dir /tmp/dsv4-bench] [--preset 4layer]
+        [--set 'n_routed_experts=8 vocab_size=32768'] [--threads 1] [--keep]
+
+Generates a released-layout checkpoint (FP8 + MXFP4, >= 1 GB with the defaults), then times
+  1. a plain copy of its shard files (shutil.copyfile: read + write of the same bytes), and
+  2. `dequantize_checkpoint` into BF16 shards (read, dequantize, write, fsync),
+and prints MB/s of input bytes for both (and MB/s of output bytes for the dequantizer). Both read the source
+from the page cache, since the generator has just written it. Everything is deleted at the end unless --keep.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from dsv4.checkpoint import dequantize_checkpoint, generate_checkpoint
+from dsv4.config import ModelConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/dsv4-bench-dequant"))
+    ap.add_argument("--preset", default="4layer")
+    ap.add_argument("--set", dest="overrides", action="append", default=["n_routed_experts=8 vocab_size=32768"])
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--shard-gb", type=float, default=1.0)
+    ap.add_argument("--keep", action="store_true")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = ModelConfig.preset(a.preset).with_overrides(*a.overrides)
+    src, copy, dst = a.dir / "src", a.dir / "copy", a.dir / "bf16"
+    shutil.rmtree(a.dir, ignore_errors=True)
+    shard_bytes = int(a.shard_gb * (1 << 30))
+
+    t = time.perf_counter()
+    gen = generate_checkpoint(cfg, src, shard_bytes=shard_bytes)
+    t_gen = time.perf_counter() - t
+    shards = sorted(src.glob("model-*.safetensors"))
+    nbytes = sum(p.stat().st_size for p in shards)
+    print(f"checkpoint: {a.preset} {' '.join(a.overrides)} -> {len(shards)} shard(s), {nbytes / 1e6:.0f} MB "
+          f"({gen.n_tensors} tensors), generated in {t_gen:.1f} s; torch threads {torch.get_num_threads()}")
+
+    copy.mkdir(parents=True)
+    t = time.perf_counter()
+    for p in shards:
+        shutil.copyfile(p, copy / p.name)
+        with open(copy / p.name, "rb+") as f:   # same durability as the dequantizer's shards
+            os.fsync(f.fileno())
+    t_copy = time.perf_counter() - t
+    shutil.rmtree(copy)
+
+    t = time.perf_counter()
+    s = dequantize_checkpoint(src, dst, shard_bytes=shard_bytes)
+    t_deq = time.perf_counter() - t
+
+    print(f"{'step':<24} {'seconds':>8} {'MB/s (input bytes)':>19} {'MB/s (output bytes)':>20}")
+    print(f"{'plain copy + fsync':<24} {t_copy:>8.2f} {nbytes / 1e6 / t_copy:>19.0f} {nbytes / 1e6 / t_copy:>20.0f}")
+    print(f"{'dequantize to bf16':<24} {t_deq:>8.2f} {s.bytes_in / 1e6 / t_deq:>19.0f} {s.bytes_out / 1e6 / t_deq:>20.0f}")
+    print(f"dequantize / copy time ratio: {t_deq / t_copy:.2f}x; output {s.bytes_out / 1e6:.0f} MB in {s.n_shards} shard(s)")
+    if not a.keep:
+        shutil.rmtree(a.dir)
+
+
+if __name__ == "__main__":
+    main()
