@@ -126,13 +126,16 @@ def gpu(node, ctx):
         return FAIL, f"{len(g['gpus'])} GPU(s) ({', '.join(names)}), V4_NUM_GPUS_PER_NODE={want}", \
             "fix the node (nvidia-smi) or lower V4_NUM_GPUS_PER_NODE"
     expect = str(cfg.get("HW_GPU_NAME", "") or "")
-    wrong = [x["name"] for x in g["gpus"] if expect and expect.lower() not in x["name"].lower()]
+    # A whole word: "H20" must not accept an "NVIDIA H200" (nor the reverse).
+    word = re.compile(rf"(?<![A-Za-z0-9]){re.escape(expect)}(?![A-Za-z0-9])", re.I)
+    wrong = [x["name"] for x in g["gpus"] if expect and not word.search(x["name"])]
     if wrong:
         return FAIL, f"GPU model {wrong[0]!r} does not contain HW_GPU_NAME={expect!r}", \
             "select the matching hw layer (--hw), or fix HW_GPU_NAME"
-    mem_gb = min(x["memory_total_mib"] for x in g["gpus"]) * 1.048576 / 1000
+    # Vendors' "141 GB" (H200) / "96 GB" (H20) are GiB: nvidia-smi says 143771 / 97871 MiB.
+    mem_gb = min(x["memory_total_mib"] for x in g["gpus"]) / 1024
     want_gb = float(cfg.get("HW_GPU_MEMORY_GB", 0) or 0)
-    detail = f"{len(g['gpus'])} x {names[0]} ({mem_gb:.0f} GB)"
+    detail = f"{len(g['gpus'])} x {names[0]} ({mem_gb:.0f} GiB)"
     if want_gb and abs(mem_gb - want_gb) > 0.1 * want_gb:
         return WARN, detail + f"; HW_GPU_MEMORY_GB={want_gb:g}", "correct HW_GPU_MEMORY_GB in the hw layer"
     return PASS, detail

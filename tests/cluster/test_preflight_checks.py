@@ -1,0 +1,146 @@
+"""The checks themselves, judged on node facts: real ones gathered on an H200 host
+(tests/cluster/data/facts_h200.json, from node_scripts/node_facts.py) and variations of them."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from launcher.config import Selection, resolve
+from launcher.preflight import CHECKS
+from launcher.preflight.registry import Context, RequiredInput
+
+H200 = json.loads((Path(__file__).parent / "data" / "facts_h200.json").read_text())
+A, B, C = "10.0.0.1", "10.0.0.2", "10.0.0.3"
+
+
+def cfg_for(hw="h200", **sets):
+    return resolve(Selection(cluster="h200_template", hw=hw, sets=tuple(f"{k}={v}" for k, v in sets.items())))
+
+
+def facts(**changes):
+    f = copy.deepcopy(H200)
+    f["net"]["ifaces"]["eth0"]["ipv4"] = A
+    f["token"] = "tok"
+    for path, value in changes.items():
+        d = f
+        *keys, last = path.split("__")
+        for k in keys:
+            d = d[k]
+        d[last] = value
+    return f
+
+
+def judge(name, cfg, per_node: dict, inputs=(), clock=None):
+    ctx = Context(cfg=cfg, order=list(per_node), facts=per_node, token="tok", inputs=list(inputs))
+    ctx.clock = clock or {n: (0.0, 0.01) for n in per_node}
+    return {n: CHECKS[name].judge(n, ctx) for n in per_node}
+
+
+def one(name, cfg, f, **kw):
+    return judge(name, cfg, {A: f}, **kw)[A]
+
+
+def test_real_h200_facts():
+    cfg = cfg_for(V4_NUM_GPUS_PER_NODE=1, V4_EXPECT_IB=0)
+    r = one("gpu", cfg, facts())
+    assert (r.status, r.detail) == ("PASS", "1 x NVIDIA H200 (140 GiB)")
+    assert one("driver", cfg, facts()).status == "PASS"
+    assert one("gpu_memory", cfg, facts()).status == "PASS"
+    assert one("nvlink", cfg, facts()).status == "SKIP"
+    assert one("ulimit", cfg, facts()).status == "PASS"
+    pk = one("packages", cfg, facts())          # that host really lacks them
+    assert pk.status == "FAIL" and "ray, megatron-core, tilelang" in pk.detail
+
+
+def test_gpu_count_and_model():
+    assert one("gpu", cfg_for(), facts()).status == "FAIL"                 # 8 expected, 1 present
+    r = one("gpu", cfg_for(hw="h20", V4_NUM_GPUS_PER_NODE=1), facts())     # "H20" is not an H200
+    assert r.status == "FAIL" and "HW_GPU_NAME='H20'" in r.detail
+    h20 = facts(gpu__gpus=[dict(H200["gpu"]["gpus"][0], name="NVIDIA H20", memory_total_mib=97871.0)])
+    assert one("gpu", cfg_for(hw="h20", V4_NUM_GPUS_PER_NODE=1), h20).status == "PASS"
+    assert one("gpu", cfg_for(hw="cpu"), facts()).status == "SKIP"
+
+
+def test_foreign_gpu_memory():
+    cfg = cfg_for(V4_NUM_GPUS_PER_NODE=1)
+    uuid = H200["gpu"]["gpus"][0]["uuid"]
+    busy = [dict(H200["gpu"]["gpus"][0], memory_used_mib=30720.0)]
+    r = one("gpu_memory", cfg, facts(gpu__gpus=busy, gpu__apps=[
+        {"pid": 4242, "used_mib": 30000.0, "gpu_uuid": uuid, "v4_session": None}]))
+    assert r.status == "FAIL" and "4242" in r.detail
+    ours = facts(gpu__gpus=busy, our_session="s1",
+                 gpu__apps=[{"pid": 7, "used_mib": 30000.0, "gpu_uuid": uuid, "v4_session": "s1"}])
+    assert one("gpu_memory", cfg, ours).status == "PASS"
+    r = one("gpu_memory", cfg, facts(gpu__gpus=busy))                          # held, holder not visible
+    assert r.status == "FAIL" and "not visible here" in r.detail
+
+
+def test_driver_vs_torch_cuda():
+    cfg = cfg_for(V4_NUM_GPUS_PER_NODE=1)
+    assert one("driver", cfg, facts(packages__torch="2.11.0+cu130", gpu__cuda="12.8")).status == "FAIL"
+    assert one("driver", cfg, facts(packages__torch="2.11.0+cu132", gpu__cuda="13.0")).status == "WARN"
+    assert one("driver", cfg, facts(packages__torch="2.11.0+cu130", gpu__cuda="13.0")).status == "PASS"
+    r = judge("driver", cfg, {A: facts(), B: facts(), C: facts(gpu__driver="570.1")})
+    assert [r[n].status for n in (A, B, C)] == ["PASS", "PASS", "WARN"]
+
+
+def test_nvlink_and_nvls():
+    eight = [dict(H200["gpu"]["gpus"][0], index=i) for i in range(8)]
+    on, off = cfg_for(HW_NCCL_NVLS_ENABLE=1), cfg_for(HW_NCCL_NVLS_ENABLE=0)
+    assert one("nvlink", on, facts(gpu__gpus=eight)).status == "FAIL"
+    assert one("nvlink", off, facts(gpu__gpus=eight)).status == "WARN"
+    assert one("nvlink", on, facts(gpu__gpus=eight, gpu__nvlink_active=144)).status == "PASS"
+
+
+def test_ib_and_memlock():
+    cfg = cfg_for(V4_EXPECT_IB=1)
+    assert one("ib", cfg, facts()).status == "FAIL"
+    up = [{"device": "mlx5_0", "ports": {"1": {"state": "4: ACTIVE", "link_layer": "InfiniBand"}}}]
+    assert one("ib", cfg, facts(ib=up)).detail == "active: mlx5_0/1"
+    r = one("ulimit", cfg, facts(memlock=8 * 1024 * 1024))
+    assert r.status == "FAIL" and "8192 KiB" in r.detail
+    assert one("ulimit", cfg_for(V4_EXPECT_IB=0), facts(memlock=8 * 1024 * 1024)).status == "WARN"
+
+
+def test_socket_interface():
+    cfg = cfg_for()
+    multi = facts(net__ifaces={"eth0": {"operstate": "up", "ipv4": "172.17.0.5"},
+                               "ib0": {"operstate": "up", "ipv4": A}})
+    r = judge("socket_ifname", cfg, {A: multi, B: facts()})[A]
+    assert r.status == "WARN" and r.fix == "set V4_SOCKET_IFNAME=ib0"
+    r = one("socket_ifname", cfg_for(V4_SOCKET_IFNAME="bond0"), facts())
+    assert r.status == "FAIL" and "bond0 does not exist" in r.detail
+
+
+def test_versions_majority_and_known_bad():
+    cfg = cfg_for()
+    r = judge("versions", cfg, {A: facts(), B: facts(), C: facts(packages__torch="2.10.0")})
+    assert [r[n].status for n in (A, B, C)] == ["PASS", "PASS", "FAIL"]
+    assert "torch 2.10.0 (others: 2.11.0)" in r[C].detail
+    for v, want in (("0.1.9", "FAIL"), ("0.1.10.post1", "FAIL"), ("0.1.11", "PASS"), ("0.1.8", "PASS")):
+        assert one("known_bad", cfg, facts(packages__tilelang=v)).status == want, v
+
+
+def test_clock_disk_shared_inputs():
+    cfg = cfg_for()
+    r = judge("clock", cfg, {A: facts(), B: facts(), C: facts()},
+              clock={A: (0.0, 0.01), B: (2.5, 0.01), C: (-40.0, 0.01)})
+    assert [r[n].status for n in (A, B, C)] == ["PASS", "WARN", "FAIL"]
+    full = facts(disk__work=dict(H200["disk"]["work"], free_gb=1.0))
+    assert one("disk", cfg, full).status == "FAIL"
+    assert one("shared_work", cfg, facts(token=None, token_error="FileNotFoundError")).status == "FAIL"
+    need = [RequiredInput("/ckpt", "BF16 checkpoint", sentinel="model.safetensors.index.json")]
+    assert one("inputs", cfg, facts(paths={}), inputs=need).status == "FAIL"
+    half = {"/ckpt": {"exists": True, "is_dir": True}, "/ckpt/model.safetensors.index.json": {"exists": False}}
+    r = one("inputs", cfg, facts(paths=half), inputs=need)
+    assert r.status == "FAIL" and "incomplete" in r.detail
+    done = {**half, "/ckpt/model.safetensors.index.json": {"exists": True, "is_dir": False}}
+    assert one("inputs", cfg, facts(paths=done), inputs=need).status == "PASS"
+
+
+def test_a_broken_check_fails_loudly():
+    r = one("gpu", cfg_for(V4_NUM_GPUS_PER_NODE=1), facts(gpu={"nvidia_smi": True}))
+    assert r.status == "FAIL" and "check raised KeyError" in r.detail
