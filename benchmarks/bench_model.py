@@ -1,6 +1,6 @@
 """Tiny DeepSeek-V4 reference model: forward and forward+backward wall time on CPU.
 
-    .venv/bin/python benchmarks/bench_model.py [--batch 2] [--seq 64] [--iters 5] [--preset tiny] [--set k=v ...]
+    .venv/bin/python benchmarks/bench_model.py [--batch 2] [--seq 64] [--iters 5] [--preset tiny] [--set k=v ...] [--threads N]
 
 Prints the median over --iters timed runs after 2 warm-up runs (the first call pays one-off oneDNN set-up),
 with tokens/s, for the plain model and with every QAT point switched on. Loss = next-token CE + MTP CE +
@@ -48,7 +48,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     base = ModelConfig.preset(a.preset).with_overrides(*a.overrides)
     ids = torch.randint(0, base.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
     tokens = a.batch * a.seq
