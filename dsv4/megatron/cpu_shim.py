@@ -87,7 +87,9 @@ class _DeviceRedirect(TorchFunctionMode):
 
 # 2. RNG. model_parallel_cuda_manual_seed and the tracker's fork() (around dropout, and at init when
 #    weights are initialised on the device) read and write the CUDA generator. On CPU the default CPU
-#    generator plays its role, so forked regions still draw from their own seeded stream.
+#    generator plays its role, so forked regions still draw from their own seeded stream and the
+#    caller's stream is restored afterwards. (fork() then logs "CPU RNG state changed within GPU RNG
+#    context" when the region drew numbers: expected here, as both generators are the same one.)
 def _patch_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
