@@ -26,6 +26,17 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def quiet_ray_sdk() -> None:
+    """Ray's SDK logs every upload and websocket at INFO on stderr; our own progress says what matters."""
+    import ray.job_submission  # noqa: F401  (creates the SDK's loggers)
+
+    for name in list(logging.root.manager.loggerDict):
+        if name == "ray" or name.startswith("ray."):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    # it warns on every upload that .git/.venv are excluded by default: they are excluded on purpose
+    logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
+
+
 def check_stage_order(cfg: Config, force: bool) -> None:
     needed = cfg["PRESET_REQUIRES_STAGE"]
     if not needed:
@@ -56,8 +67,7 @@ def check_available(plan: Plan) -> None:
 def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=False, as_json=False) -> None:
     from launcher import cluster, jobs, registry
 
-    # Ray's SDK logs every upload and websocket at INFO on stderr; our own progress says what matters.
-    logging.getLogger("ray").setLevel(logging.WARNING)
+    quiet_ray_sdk()
 
     check_stage_order(cfg, force)
     check_available(plan)
