@@ -84,4 +84,4 @@ def test_megatron_core_smoke_world_1_and_2(tmp_path):
             assert torch.equal(d["g"], torch.cat([torch.full((2, 3), float(j + 1)) for j in range(world)]))
             assert torch.equal(d["y"], torch.full((2, 3), float(s * (k + 1))))
             assert torch.equal(d["grad"], torch.full((2, 3), float(s)))   # d/dx sum_r (r+1) sum(gather(x))
-            assert torch.equal(d["recv"], torch.cat([torch.full((k + 1,), float(j)) for j in range(world)]))
+            assert torch.equal(d["recv"], torch.cat([torch.full((j + 1,), float(j)) for j in range(world)]))
