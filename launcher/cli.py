@@ -34,7 +34,7 @@ class LazyGroup(click.Group):
         return getattr(importlib.import_module(module), attr)
 
 
-EPILOG = "Exit codes: " + ", ".join(f"{c} {w}" for c, w in EXIT_CODES.items())
+EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {c:<4} {w}" for c, w in EXIT_CODES.items())
 
 
 @click.group(cls=LazyGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})

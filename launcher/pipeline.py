@@ -67,7 +67,8 @@ def check_available(plan: Plan) -> None:
 def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=False, as_json=False) -> None:
     from launcher import cluster, jobs, registry
 
-    quiet_ray_sdk()
+    if cfg["V4_EXECUTOR"] == "ray":
+        quiet_ray_sdk()
 
     check_stage_order(cfg, force)
     check_available(plan)
@@ -137,7 +138,10 @@ def _job(cfg, run, step: Step, jobs) -> None:
         step.job.submission_id = f"{step.job.submission_id}-r{attempts}"
     run.set_step(step.name, "running", submission_id=step.job.submission_id)
     log = run.dir / "steps" / step.name / "log"
-    outcome = jobs.submit_and_wait(cfg, step.job, log_path=log, progress=say)
+    if cfg["V4_EXECUTOR"] == "local":
+        outcome = run_local(cfg, step.job, log)
+    else:
+        outcome = jobs.submit_and_wait(cfg, step.job, log_path=log, progress=say)
     run.set_step(step.name, "done" if outcome.ok else "failed", **outcome.to_json())
     if outcome.ok:
         say(f"[{step.name}] done in {outcome.elapsed_s:.0f} s")
@@ -197,3 +201,39 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
     say(f"  v4 runs show {plan.run_id}")
     if nxt:
         say(f"  v4 run --preset {nxt} --cluster {sel.cluster} --hw {sel.hw} --dry-run")
+
+
+def run_local(cfg, job, log_path: Path, progress=say):
+    """The V4_EXECUTOR=local path: the step's entrypoint as a subprocess here, same env, same log."""
+    import os
+    import re
+    import subprocess
+
+    from launcher.jobs import Outcome
+
+    env = dict(os.environ)
+    for k, v in job.runtime_env["env_vars"].items():
+        env[k] = re.sub(r"\$\{(\w+)\}", lambda m: os.environ.get(m.group(1), ""), v)
+    env["PYTHONPATH"] = job.runtime_env["working_dir"] + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    progress(f"running {job.entrypoint}")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(job.entrypoint, shell=True, cwd=job.runtime_env["working_dir"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        status = None
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                progress("  | " + line.rstrip())
+                if time.time() - t0 > job.timeout_s:
+                    status = "TIMEOUT"
+                    break
+        finally:
+            if proc.poll() is None:      # timed out, or we are being interrupted: stop its whole group
+                os.killpg(proc.pid, 15)
+            rc = proc.wait()
+    status = status or ("SUCCEEDED" if rc == 0 else "FAILED")
+    tail = "\n".join(log_path.read_text().splitlines()[-40:])
+    return Outcome(job.submission_id, status, rc, time.time() - t0, "", str(log_path), tail)

@@ -20,6 +20,8 @@ TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
     undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
 TEMPLATES.filters["shq"] = lambda s: shlex.quote(str(s))
+# values that refer to the node's own environment (PATH=/venv/bin:${PATH}) stay expandable
+TEMPLATES.filters["envq"] = lambda s: f'"{s}"' if "${" in str(s) else shlex.quote(str(s))
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Plan:
     run_dir: str
     selection: dict
     dashboard: str
+    executor: str
     steps: list[Step]
 
     def to_json(self) -> dict:
@@ -149,8 +152,11 @@ def job_step(cfg: Config, name: str, run_id: str, run_dir: str) -> Step:
         timeout_s=cfg["PRESET_JOB_TIMEOUT"],
         submit="",
     )
-    job.submit = TEMPLATES.get_template("job_submit.sh.j2").render(
-        address=dashboard_url(cfg), job=job, runtime_env_json=json.dumps(runtime_env))
+    if cfg["V4_EXECUTOR"] == "local":
+        job.submit = TEMPLATES.get_template("job_local.sh.j2").render(job=job)
+    else:
+        job.submit = TEMPLATES.get_template("job_submit.sh.j2").render(
+            address=dashboard_url(cfg), job=job, runtime_env_json=json.dumps(runtime_env))
     resolve_io = lambda keys: [cfg[k] if k in cfg else f"{run_dir}/{k}" for k in keys]
     return Step(name, "job", d.doc, job=job, inputs=resolve_io(d.inputs), outputs=resolve_io(d.outputs))
 
@@ -160,7 +166,9 @@ def build(cfg: Config, run_id: str | None = None) -> Plan:
 
     run_id = run_id or new_run_id(cfg["PRESET_RUN_ID_PREFIX"])
     run_dir = f"{cfg['V4_OUT']}/{run_id}"
-    steps = [preflight_step(cfg), cluster_step(cfg)]
+    steps = [preflight_step(cfg)]
+    if cfg["V4_EXECUTOR"] == "ray":
+        steps.append(cluster_step(cfg))
     for name in cfg["PRESET_STEPS"]:
         if name not in PIPELINE:
             from launcher.errors import ConfigError
@@ -176,7 +184,7 @@ def build(cfg: Config, run_id: str | None = None) -> Plan:
                       items=[f"{g}: {GATES[g]}" for g in cfg["PRESET_GATES"]]))
     sel = cfg.selection
     return Plan(run_id, run_dir, {"cluster": sel.cluster, "hw": sel.hw, "preset": sel.preset},
-                dashboard_url(cfg), steps)
+                dashboard_url(cfg), cfg["V4_EXECUTOR"], steps)
 
 
 def preflight_step(cfg: Config) -> Step:

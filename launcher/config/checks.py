@@ -158,6 +158,9 @@ def _check_ports_paths(cfg: Config, errors: list[str]) -> None:
     for key, spec in SCHEMA.items():
         if spec.type == "path" and v[key] and not v[key].startswith("/"):
             errors.append(f"{at(cfg, key)} must be an absolute path (nodes resolve relative paths differently)")
+    if v["V4_EXECUTOR"] == "local" and (v["V4_TRANSPORT"] != "local" or v["V4_NUM_NODES"] != 1):
+        errors.append(f"{at(cfg, 'V4_EXECUTOR')} runs steps on this machine only, but {at(cfg, 'V4_TRANSPORT')}, "
+                      f"{at(cfg, 'V4_NUM_NODES')}")
     if v["V4_TRANSPORT"] == "local" and v["V4_NUM_NODES"] != 1:
         errors.append(f"{at(cfg, 'V4_TRANSPORT')} runs on this machine only, but {at(cfg, 'V4_NUM_NODES')}")
 

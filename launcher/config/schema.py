@@ -40,6 +40,8 @@ KEYS: list[Key] = [
     _k("V4_WORKER_IPS", "list", "", "cluster", "addresses of the worker nodes, space-separated"),
     _k("V4_NUM_NODES", "int", 1, "cluster", "nodes in the cluster (head + workers)"),
     _k("V4_NUM_GPUS_PER_NODE", "int", 1, "cluster", "training processes per node: GPUs, or gloo processes on hw=cpu"),
+    _k("V4_EXECUTOR", "enum", "ray", "cluster",
+       "how steps run: Ray jobs on the cluster, or subprocesses on this one machine (no Ray needed)", ("ray", "local")),
     # --- SSH --------------------------------------------------------------------------------------
     _k("V4_SSH_USER", "str", "root", "cluster", "SSH login user on every node"),
     _k("V4_SSH_PORT", "int", 22, "cluster", "SSH port on every node"),

@@ -20,7 +20,7 @@ def test_help_lists_every_command_and_the_exit_codes(capsys):
     assert e.value.code == 0
     for name in COMMANDS:
         assert f"  {name}" in out
-    assert "16 non-finite loss/gradient detected" in out
+    assert "  16   non-finite loss/gradient detected" in out
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))
