@@ -53,6 +53,8 @@ def _worker(rank: int, world: int, port: int, specs: list[Spec], out_dir: str) -
     from dsv4.megatron.parallel import Layout, init_parallel
     from dsv4.megatron.train import TrainConfig, Trainer, init_distributed, split_micro_batches
     init_distributed(rank, world, "gloo", "cpu", "127.0.0.1", port)
+    if world == 1:
+        _reference_check(out_dir)
     for spec in specs:
         cfg = ModelConfig.preset("tiny", indexer_loss_coeff=spec.indexer_coeff, **spec.model_overrides)
         layout = Layout(spec.tp, spec.pp, spec.ep, spec.etp, spec.stage_layers)
@@ -128,18 +130,15 @@ def compare(result: dict, base: dict) -> dict:
             "grad_max_abs": worst_abs, "grad_max_rel": worst_rel, "grad_worst_key": worst_key}
 
 
-def _reference_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _reference_check(out_dir: str) -> None:
     """World size 1, TP = PP = EP = 1: the megatron stage against dsv4.model.Transformer on the same
-    weights and tokens. Records parameter, loss and gradient differences (bitwise expected)."""
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+    weights and tokens. Records parameter, loss and gradient differences (bitwise expected) in
+    reference.pt (run by every world-1 `run`)."""
     import torch.nn.functional as F
     from dsv4 import model as ref
     from dsv4.config import ModelConfig
     from dsv4.megatron.model import Objective, model_provider
     from dsv4.megatron.parallel import Layout, init_parallel
-    from dsv4.megatron.train import init_distributed
-    init_distributed(0, 1, "gloo", "cpu", "127.0.0.1", port)
     init_parallel(Layout(), 1)
     cfg = ModelConfig.preset("tiny")
     stage = model_provider(cfg, Layout(), Objective())
@@ -166,8 +165,8 @@ def _reference_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.save(result, Path(out_dir) / "reference.pt")
 
 
-def run_reference(out_dir: Path) -> dict:
-    mp.spawn(_reference_worker, args=(1, free_port(), str(out_dir)), nprocs=1, join=True)
+def reference_result(out_dir: Path) -> dict:
+    """What _reference_check recorded during a world-1 `run` into `out_dir`."""
     return torch.load(Path(out_dir) / "reference.pt", weights_only=False)
 
 

@@ -74,8 +74,8 @@ def _megatron_smoke(rank: int, world: int, port: int, out: str) -> None:
                f"{out}/smoke{rank}.pt")
 
 
-def test_megatron_core_smoke_world_1_and_2(tmp_path):
-    for world in (1, 2):
+def test_megatron_core_smoke_world_2(tmp_path):
+    for world in (2,):
         mp.spawn(_megatron_smoke, args=(world, H.free_port(), str(tmp_path)), nprocs=world, join=True)
         r = [torch.load(tmp_path / f"smoke{k}.pt") for k in range(world)]
         s = sum(k + 1 for k in range(world))

@@ -146,3 +146,12 @@ def test_ray_driver_two_ranks_backward_nan(converted, tmp_path):
     info = json.loads((run / "steps" / "train" / "nonfinite.json").read_text())
     assert (info["step"], info["module"], info["phase"]) == (2, "layers.2.ffn.shared_experts.w2", "backward")
     assert len(info["per_rank"]) == 2
+
+
+def test_evaluate_scores_held_out_rows(trained):
+    p = job("evaluate", trained)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((trained / "steps" / "evaluate" / "eval.json").read_text())
+    assert r["rows"] > 0 and r["loss_tokens"] > 0 and r["step"] == 3
+    assert math.isfinite(r["loss"]) and math.isfinite(r["loss_initial"])
+    assert r["loss"] < r["loss_initial"]          # three steps of SFT lowered the held-out loss
