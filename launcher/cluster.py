@@ -80,8 +80,13 @@ def dashboard_url(cfg) -> str:
     return f"http://{cfg['V4_MASTER_IP']}:{cfg['V4_DASHBOARD_PORT']}"
 
 
+# Ray >= 2.5x turns token auth on by itself when ~/.ray/auth_token exists on the head, but not on
+# workers, which then cannot join; the mode must be explicit and the same on every node.
+RAY_AUTH_ENV = {"RAY_AUTH_MODE": "disabled"}
+
+
 def _node_env(cfg) -> dict[str, str]:
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(RAY_AUTH_ENV)
     if cfg.get("V4_HTTP_PROXY"):
         proxy = str(cfg["V4_HTTP_PROXY"])
         env.update(http_proxy=proxy, https_proxy=proxy, HTTP_PROXY=proxy, HTTPS_PROXY=proxy,
@@ -185,7 +190,7 @@ class ClusterStatus:
 def _probe_gcs(cfg, head: Node, timeout: float = 45) -> dict:
     cmd = (f"{shlex.quote(python_on_nodes(cfg))} - {gcs_address(cfg)} {dashboard_url(cfg)} "
            f"<<'V4_GCS'\n{source('ray_gcs')}V4_GCS\n")
-    r = head.run(cmd, timeout=timeout)
+    r = head.run(cmd, env=RAY_AUTH_ENV, timeout=timeout)
     if not r.ok:
         return {"gcs_ok": False, "error": f"probe on {head.name} failed (rc {r.rc}): {r.tail(5)}",
                 "nodes": [], "dashboard_ok": False, "jobs": None}
