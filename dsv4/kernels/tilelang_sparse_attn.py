@@ -174,8 +174,10 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             T.fence_proxy_async()
             T.barrier_arrive(bar_q)
 
+            # setmaxnreg only moves registers inside the CTA's launch allocation (168 x 384): the three
+            # warpgroups' targets must sum to at most 504 a thread, or an increase waits forever.
             if tx >= 256:                                     # producer
-                T.set_max_nreg(56, 0)
+                T.set_max_nreg(64, 0)
                 for k in T.serial(n_pairs):
                     gather(KV, Idx, b, s, tx, row, 2 * k, kv0_l, kv0_r, full0, empty0, k & 1)
                     gather(KV, Idx, b, s, tx, row, 2 * k + 1, kv1_l, kv1_r, full1, empty1, k & 1)
@@ -207,7 +209,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                 T.sync_threads(WG0_BAR, 128)
                 T.copy(q_l, O[b, s, h0:h0 + HB, 0:D2])
             else:
-                T.set_max_nreg(216, 1)
+                T.set_max_nreg(200, 1)
                 T.fill(acc_o_r, 0)
                 for k in T.serial(n_pairs):
                     pv_r(2 * k, kv0_r, empty0, acc_o_r, p_sh, alpha_sh, p_full, p_empty)
