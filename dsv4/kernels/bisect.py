@@ -347,7 +347,7 @@ def _fmt(subset: dict) -> str:
 def _metric_text(t: Trial) -> str:
     if t.detail:
         return t.detail[:80]
-    return " ".join(f"{k}: nan {m['nonfinite']:.0%} err {m['rel_err']:.1e}" for k, m in t.metrics.items())
+    return " ".join(f"{k}: non-finite {m['nonfinite']:.0%} err {m['rel_err']:.1e}" for k, m in t.metrics.items())
 
 
 def write_report(report: Report, out_dir: str) -> tuple[str, str]:
