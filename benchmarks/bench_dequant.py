@@ -5,7 +5,8 @@
 
 Generates a released-layout checkpoint (FP8 + MXFP4, >= 1 GB with the defaults), then times
   1. a plain copy of its shard files (shutil.copyfile: read + write of the same bytes), and
-  2. `dequantize_checkpoint` into BF16 shards (read, dequantize, write, fsync),
+  2. reading and dequantizing every tensor without writing (the compute part alone), and
+  3. `dequantize_checkpoint` into BF16 shards (read, dequantize, write, fsync),
 and prints MB/s of input bytes for both (and MB/s of output bytes for the dequantizer). Both read the source
 from the page cache, since the generator has just written it. Everything is deleted at the end unless --keep.
 """
@@ -14,12 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from dsv4.checkpoint import dequantize_checkpoint, generate_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from dsv4.checkpoint import dequantize_checkpoint, generate_checkpoint, iter_state_dict
 from dsv4.config import ModelConfig
 
 
@@ -57,11 +60,18 @@ def main() -> None:
     shutil.rmtree(copy)
 
     t = time.perf_counter()
+    for _ in iter_state_dict(src):      # read + dequantize only, nothing written
+        pass
+    t_compute = time.perf_counter() - t
+
+    t = time.perf_counter()
     s = dequantize_checkpoint(src, dst, shard_bytes=shard_bytes)
     t_deq = time.perf_counter() - t
 
     print(f"{'step':<24} {'seconds':>8} {'MB/s (input bytes)':>19} {'MB/s (output bytes)':>20}")
     print(f"{'plain copy + fsync':<24} {t_copy:>8.2f} {nbytes / 1e6 / t_copy:>19.0f} {nbytes / 1e6 / t_copy:>20.0f}")
+    print(f"{'read + dequantize only':<24} {t_compute:>8.2f} {s.bytes_in / 1e6 / t_compute:>19.0f} "
+          f"{s.bytes_out / 1e6 / t_compute:>20.0f}")
     print(f"{'dequantize to bf16':<24} {t_deq:>8.2f} {s.bytes_in / 1e6 / t_deq:>19.0f} {s.bytes_out / 1e6 / t_deq:>20.0f}")
     print(f"dequantize / copy time ratio: {t_deq / t_copy:.2f}x; output {s.bytes_out / 1e6:.0f} MB in {s.n_shards} shard(s)")
     if not a.keep:

@@ -12,9 +12,13 @@ import argparse
 import statistics
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from dsv4.config import ModelConfig
 from dsv4.model import Transformer
 

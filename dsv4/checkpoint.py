@@ -584,9 +584,9 @@ def _dequantize_param(name: str, fmt: str, tensors: dict[str, SourceTensor], raw
 
 
 # ================================================================================================ loading
-def load_state_dict(directory: str | Path, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """Official-named tensors of a checkpoint directory (BF16 or released layout; quantized weights are
-    dequantized to bf16). Shapes are checked against the config."""
+def iter_state_dict(directory: str | Path, cfg: ModelConfig | None = None):
+    """Yield (official name, tensor) for every parameter of a checkpoint directory, one at a time (BF16 or
+    released layout; quantized weights come out as bf16). Shapes are checked against the config first."""
     directory = Path(directory)
     cfg = cfg or ModelConfig.from_hf_config(str(directory / "config.json"))
     raw = _source_tensors(directory)
@@ -594,7 +594,13 @@ def load_state_dict(directory: str | Path, cfg: ModelConfig | None = None) -> di
     raw_name = dict(zip(tensors, raw))
     formats = check_source(cfg, tensors, directory)
     reader = _Reader()
-    return {p: _dequantize_param(p, formats[p], tensors, raw_name, reader) for p in cfg.param_shapes()}
+    for p in cfg.param_shapes():
+        yield p, _dequantize_param(p, formats[p], tensors, raw_name, reader)
+
+
+def load_state_dict(directory: str | Path, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """All of `iter_state_dict` in one dict."""
+    return dict(iter_state_dict(directory, cfg))
 
 
 def load_model_from_bf16(directory: str | Path, **overrides):
