@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-
 import sys
+import time
 from pathlib import Path
 
 import torch
