@@ -48,7 +48,8 @@ def render(template: str, **ctx) -> str:
 class NodeCommands:
     ip: str
     role: str               # head | worker
-    local_dir: str
+    local_dir: str          # V4_LOCAL_DIR of this node
+    state_dir: str          # our Ray's temp dir and process record, inside local_dir
     container: str          # runs on the host first: makes sure the container runs ("" = none)
     start: str              # starts Ray (in the container, if any) and records its processes
     stop: str               # stops exactly the processes `start` recorded
@@ -70,6 +71,12 @@ def expected_gpus(cfg) -> int:
 def expected_cpus(cfg) -> int | None:
     raw = str(cfg.get("V4_RAY_NUM_CPUS", "") or "").strip()
     return int(float(raw)) if raw else None
+
+
+def ray_state_dir(cfg, ip: str) -> str:
+    """Where a node keeps this cluster's Ray: temp dir, start log, process record. Keyed by the
+    GCS port, so two clusters sharing V4_LOCAL_DIR (two local clusters) never see each other's."""
+    return f"{node_local_dir(cfg, ip)}/ray{cfg['V4_RAY_PORT']}"
 
 
 def gcs_address(cfg) -> str:
@@ -124,8 +131,8 @@ def cluster_commands(cfg, force: bool = False) -> list[NodeCommands]:
                   socket_ifname=str(cfg.get("V4_SOCKET_IFNAME", "auto") or "auto"), force=force)
     out = []
     for i, ip in enumerate(cfg.nodes):
-        local = node_local_dir(cfg, ip)
-        ctx = dict(common, ip=ip, local_dir=local)
+        local, state = node_local_dir(cfg, ip), ray_state_dir(cfg, ip)
+        ctx = dict(common, ip=ip, state_dir=state)
         run_container = rm_container = ""
         if container:
             mounts = list(cfg.get("V4_DOCKER_MOUNTS", []) or [])
@@ -140,7 +147,7 @@ def cluster_commands(cfg, force: bool = False) -> list[NodeCommands]:
                                    mounts=mounts, workdir=work)
             rm_container = render("container_rm.sh.j2", **ctx, container=container)
         out.append(NodeCommands(
-            ip=ip, role="head" if i == 0 else "worker", local_dir=local, container=run_container,
+            ip=ip, role="head" if i == 0 else "worker", local_dir=local, state_dir=state, container=run_container,
             start=render("ray_head.sh.j2" if i == 0 else "ray_worker.sh.j2", **ctx),
             stop=render("ray_stop.sh.j2", **ctx), container_rm=rm_container))
     return out
@@ -198,9 +205,9 @@ def _probe_gcs(cfg, head: Node, timeout: float = 45) -> dict:
 
 
 def _procs_status(cfg, node: Node) -> dict:
-    local = node_local_dir(cfg, node.name)
-    cmd = (f"if [ -s {shlex.quote(local)}/ray_procs.json ]; then {shlex.quote(python_on_nodes(cfg))} - status "
-           f"{shlex.quote(local)} <<'V4_PROCS'\n{source('ray_procs')}V4_PROCS\nelse echo '{{\"recorded\": false}}'; fi")
+    state = shlex.quote(ray_state_dir(cfg, node.name))
+    cmd = (f"if [ -s {state}/ray_procs.json ]; then {shlex.quote(python_on_nodes(cfg))} - status "
+           f"{state} <<'V4_PROCS'\n{source('ray_procs')}V4_PROCS\nelse echo '{{\"recorded\": false}}'; fi")
     r = node.run(cmd, timeout=30)
     if not r.ok:
         raise ConnectionError(r.tail(5))
@@ -319,8 +326,8 @@ def up(cfg, nodes: list[Node] | None = None, progress: Progress = _stderr) -> Cl
     # Record again now that every daemon is up (agents start after `ray start` returns).
     started = [cmds[0], *todo] if head_started else todo
     fan_out([by_ip[c.ip] for c in started],
-            lambda n: n.run(f"{shlex.quote(python_on_nodes(cfg))} {shlex.quote(node_local_dir(cfg, n.name))}/ray_procs.py "
-                            f"record {shlex.quote(node_local_dir(cfg, n.name))} >/dev/null", timeout=60))
+            lambda n: n.run(f"{shlex.quote(python_on_nodes(cfg))} {shlex.quote(ray_state_dir(cfg, n.name))}/ray_procs.py "
+                            f"record {shlex.quote(ray_state_dir(cfg, n.name))} >/dev/null", timeout=60))
     st = status(cfg, nodes)
     st.changed = True
     progress(f"cluster {st.cluster}: ready, {len(st.nodes)} node(s) in {time.monotonic() - t0:.1f} s")
@@ -345,7 +352,7 @@ def wait_ready(cfg, nodes: list[Node], progress: Progress = _stderr, timeout: fl
             missing = [ns.ip for ns in st.nodes if ns.gcs_state != "ALIVE"]
             raise ClusterError(
                 f"Ray not ready after {timeout:g} s (V4_RAY_READY_TIMEOUT): " + "; ".join(st.problems),
-                fix=(f"look at <V4_LOCAL_DIR>/ray_start.log and ray/session_latest/logs/raylet.out on "
+                fix=(f"look at {ray_state_dir(cfg, '<node>')}/ray_start.log and session_latest/logs/raylet.out on "
                      f"{', '.join(missing)}" if missing else "see `v4 cluster status`"))
         time.sleep(1.0)
 

@@ -1,7 +1,7 @@
 """Everything preflight needs to know about one node, gathered in one go (stdlib only).
 
 Usage: python - 'JSON_ARGS' (script on stdin; prints one JSON object). JSON_ARGS holds: work,
-local, token_file, ports, packages, paths (required inputs to stat).
+local, ray_state (our Ray's record), token_file, ports, packages, paths (required inputs to stat).
 """
 import fcntl
 import json
@@ -172,7 +172,7 @@ def holders(inodes):
 
 
 try:
-    our_session = json.load(open(os.path.join(args["local"], "ray_procs.json")))["session"]
+    our_session = json.load(open(os.path.join(args["ray_state"], "ray_procs.json")))["session"]
 except (OSError, ValueError, KeyError):
     our_session = None
 ports = {}

@@ -9,7 +9,7 @@ from launcher.nodes import python_on_nodes
 from launcher.preflight.registry import Context, check
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
-RAY_SOCKET_TAIL = len("/ray/session_2026-11-29_10-04-04_812959_17681/sockets/plasma_store")
+RAY_SOCKET_TAIL = len("/ray65535/session_2026-11-29_10-04-04_812959_17681/sockets/plasma_store")
 AF_UNIX_MAX = 107
 
 # (distribution, first bad, last bad, what goes wrong, fix)

@@ -6,6 +6,7 @@ import secrets
 import shlex
 import time
 
+from launcher.cluster import ray_state_dir
 from launcher.node_scripts import source
 from launcher.nodes import Node, fan_out, node_local_dir, python_on_nodes
 from launcher.preflight.registry import Context, RequiredInput
@@ -41,7 +42,8 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput]) -> Context:
     script = source("node_facts")
 
     def facts(node: Node) -> dict:
-        args = {"work": work, "local": node_local_dir(cfg, node.name), "token_file": token_file,
+        args = {"work": work, "local": node_local_dir(cfg, node.name), "ray_state": ray_state_dir(cfg, node.name),
+                "token_file": token_file,
                 "ports": head_ports(cfg) if node.name == ctx.head else [],
                 "packages": list(PACKAGES), "paths": paths}
         cmd = f"{shlex.quote(python)} - {shlex.quote(json.dumps(args))} <<'V4_FACTS'\n{script}V4_FACTS\n"

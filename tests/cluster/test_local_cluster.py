@@ -51,7 +51,11 @@ def test_local_up_probe_down(local_cfg):
     assert outcome.ok and [s["ip"] for s in seen] == ["127.0.0.1"]
     assert run.info()["status"] == "passed"
     assert "V4_PROBE" in run.step_log("probe").read_text()
-    token = json.loads(Path(cluster.cluster_commands(local_cfg)[0].local_dir, "ray_procs.json").read_text())["session"]
+    # Another cluster sharing V4_LOCAL_DIR (another port) sees nothing of ours and stops nothing.
+    other = resolve(Selection(cluster="local", hw="cpu", sets=(*local_cfg.selection.sets, f"V4_RAY_PORT={_free_port()}")))
+    assert [r["recorded"] for r in cluster.down(other)] == [False]
+    assert cluster.status(local_cfg).healthy
+    token = json.loads(Path(cluster.cluster_commands(local_cfg)[0].state_dir, "ray_procs.json").read_text())["session"]
     ours = tagged_pids(f"V4_RAY_SESSION={token}")
     assert ours
     reports = cluster.down(local_cfg)
