@@ -211,7 +211,8 @@ def indexer_kl_loss(index_logits: torch.Tensor, cmp_idx: torch.Tensor, q: torch.
     idx = cmp_idx.clamp(min=0).long()
     with torch.no_grad():
         B, S, K = idx.shape
-        kv_sel = torch.gather(kv_cmp, 1, idx.view(B, S * K, 1).expand(-1, -1, kv_cmp.shape[-1])).view(B, S, K, -1)
+        D = kv_cmp.shape[-1]
+        kv_sel = torch.gather(kv_cmp, 1, idx.view(B, S * K, 1).expand(-1, -1, D)).view(B, S, K, D)
         s = torch.einsum("bshd,bskd->bshk", q.float(), kv_sel.float()) * softmax_scale
         p = torch.exp(s - lse.unsqueeze(-1)).sum(2).masked_fill(~valid, 0.0)
         p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
@@ -394,7 +395,7 @@ class Attention(nn.Module):
         idx = idx.int().contiguous()
         o = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale, impl=cfg.attn_impl)
         self.indexer_loss = None
-        if want_indexer_loss and index_logits is not None:
+        if want_indexer_loss and index_logits is not None and cmp_idx.shape[-1] > 0:
             with torch.no_grad():
                 _, lse = kref.sparse_attn_gather_lse(q, kv_all, self.attn_sink, idx, self.softmax_scale)
             self.indexer_loss = indexer_kl_loss(index_logits, cmp_idx, q.detach(), kv_all[:, S:].detach(),

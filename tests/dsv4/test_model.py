@@ -244,3 +244,13 @@ def test_bf16_model_runs(cfg, ids):
     m = Transformer(cfg.with_overrides(dtype="bf16"))
     out = m(ids)
     assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize("seq", [1, 2, 3, 5, 17])
+def test_short_sequences(cfg, model, seq):
+    """Fewer tokens than the window or a compression block: no compressed entries yet, still finite."""
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
+    out = model(ids, indexer_loss=True)
+    assert out.logits.shape == (1, seq, cfg.vocab_size) and torch.isfinite(out.logits).all()
+    assert len(out.mtp_logits) == (1 if seq > 1 else 0)
+    assert out.indexer_loss is None or torch.isfinite(out.indexer_loss)
