@@ -381,9 +381,13 @@ def _to_official_names(tensors: dict[str, SourceTensor], n_layers: int) -> dict[
     return {hf_to_official(n, n_layers): t for n, t in tensors.items()}
 
 
-def _expected_source(cfg: ModelConfig, name: str, fmt: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(tensor, shape) the source must hold for parameter `name` stored as `fmt`."""
-    shape = cfg.param_shapes()[name]
+# Copies of the shared embedding/head inside an MTP block. The model shares `embed`/`head` (the official
+# converter skips these), but a released file may carry them; they are passed through, not rejected.
+_MTP_SHARED = re.compile(r"^mtp\.\d+\.(emb\.tok_emb|embed_tokens|head)\.weight$")
+
+
+def _expected_source(name: str, shape: tuple[int, ...], fmt: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(tensor, shape) the source must hold for parameter `name` of logical `shape` stored as `fmt`."""
     if fmt == "fp8":
         return [(name, shape), (_scale_name(name), (-(-shape[0] // 128), -(-shape[1] // 128)))]
     if fmt == "fp4":
@@ -401,10 +405,14 @@ def _source_format(cfg: ModelConfig, name: str, tensors: dict[str, SourceTensor]
     return "plain"
 
 
-def check_source(cfg: ModelConfig, tensors: dict[str, SourceTensor], where: Path) -> dict[str, str]:
-    """Every config parameter present with the right shape, nothing unexpected. -> {param: source format}."""
+def check_source(cfg: ModelConfig, tensors: dict[str, SourceTensor], where: Path
+                 ) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """Every config parameter present with the right shape, nothing unexpected.
+    -> ({tensor group: source format}, {tensor group: logical shape}): the config's parameters, then any MTP
+    copies of the shared embedding/head found in the files."""
     errors, formats = [], {}
-    expected = cfg.param_shapes()
+    expected = dict(cfg.param_shapes())
+    expected.update({n: (cfg.vocab_size, cfg.dim) for n in sorted(tensors) if _MTP_SHARED.match(n)})
     used = set()
     for name, shape in expected.items():
         if name not in tensors:
@@ -412,7 +420,7 @@ def check_source(cfg: ModelConfig, tensors: dict[str, SourceTensor], where: Path
             continue
         fmt = _source_format(cfg, name, tensors)
         formats[name] = fmt
-        for tname, tshape in _expected_source(cfg, name, fmt):
+        for tname, tshape in _expected_source(name, shape, fmt):
             used.add(tname)
             if tname not in tensors:
                 errors.append(f"missing {tname} (scale of {name})")
@@ -428,7 +436,7 @@ def check_source(cfg: ModelConfig, tensors: dict[str, SourceTensor], where: Path
                               f"({cfg.n_layers} layers, {cfg.n_routed_experts} experts, dim {cfg.dim}); "
                               f"{len(errors)} problem(s):\n  " + "\n  ".join(errors[:60]) +
                               "\nFix: point at the right checkpoint, or correct config.json to describe these tensors")
-    return formats
+    return formats, expected
 
 
 class _Reader:
@@ -484,10 +492,9 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
     raw = _source_tensors(src)
     tensors = _to_official_names(raw, cfg.n_layers)
     raw_name = dict(zip(tensors, raw))          # official -> the name in the source files
-    formats = check_source(cfg, tensors, src)
+    formats, shapes = check_source(cfg, tensors, src)
 
     # ---- plan: one output tensor per parameter, shards by size
-    shapes = cfg.param_shapes()
     out_name = (lambda n: official_to_hf(n, cfg.n_layers)) if names == "hf" else (lambda n: n)
 
     def out_dtype(name):
@@ -592,7 +599,7 @@ def iter_state_dict(directory: str | Path, cfg: ModelConfig | None = None):
     raw = _source_tensors(directory)
     tensors = _to_official_names(raw, cfg.n_layers)
     raw_name = dict(zip(tensors, raw))
-    formats = check_source(cfg, tensors, directory)
+    formats, _ = check_source(cfg, tensors, directory)
     reader = _Reader()
     for p in cfg.param_shapes():
         yield p, _dequantize_param(p, formats[p], tensors, raw_name, reader)

@@ -234,3 +234,23 @@ def test_shape_check_against_config(generated, tmp_path):
     (src / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ck.CheckpointError, match="unexpected tensor layers.0.ffn.experts.6"):
         ck.dequantize_checkpoint(src, tmp_path / "out")
+
+
+def test_mtp_copies_of_shared_embedding_pass_through(generated, tmp_path):
+    """A release may carry the MTP block's copies of the shared embedding/head; they are kept, not rejected."""
+    from safetensors.torch import save_file
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in generated.iterdir():
+        if p.is_file():
+            (src / p.name).write_bytes(p.read_bytes())
+    extra = torch.randn(TINY.vocab_size, TINY.dim).bfloat16()
+    save_file({"mtp.0.emb.tok_emb.weight": extra}, str(src / "model-extra.safetensors"))
+    index = json.loads((src / ck.INDEX).read_text())
+    index["weight_map"]["mtp.0.emb.tok_emb.weight"] = "model-extra.safetensors"
+    (src / ck.INDEX).write_text(json.dumps(index))
+    s = ck.dequantize_checkpoint(src, tmp_path / "out")
+    assert s.n_tensors == len(TINY.param_shapes()) + 1
+    out_index = json.loads((tmp_path / "out" / ck.INDEX).read_text())["weight_map"]
+    assert "model.layers.4.emb.tok_emb.weight" in out_index
+    assert ck.load_model_from_bf16(tmp_path / "out", dtype="fp32") is not None     # the model ignores the copy
