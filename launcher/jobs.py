@@ -1,12 +1,11 @@
 """Submitting work to the cluster through the Ray Jobs API, waiting with a deadline, keeping logs.
 
-The dashboard address comes from the config (http://V4_MASTER_IP:V4_DASHBOARD_PORT). Logs stream
-to the caller while the job runs and the complete log is written to the run directory at the end.
+The dashboard address comes from the config (http://V4_MASTER_IP:V4_DASHBOARD_PORT). The log is
+followed while the job runs (progress lines) and written whole to the run directory at the end.
 Interrupting the wait (Ctrl-C) does not stop the job, as with `ray job submit`; `v4 runs stop` does.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import shlex
 import shutil
@@ -90,15 +89,28 @@ def submit(cfg, job, c=None, progress: Progress = _stderr) -> str:
     return sid
 
 
-def _tail(c, sid: str, sink: Callable[[str], None], stop: threading.Event) -> None:
-    async def follow():
-        async for chunk in c.tail_job_logs(sid):
-            sink(chunk)
-            if stop.is_set():
-                return
+def follow_logs(c, sid: str, sink: Callable[[str], None], stop: threading.Event | None = None,
+                poll: float = 1.0) -> None:
+    """Pass each new piece of job `sid`'s log to `sink` until the job ends (or `stop` is set).
+
+    Polls the whole log and emits the unseen suffix: unlike Ray's log websocket, which closes at
+    once while a job is still PENDING, this cannot miss or repeat output."""
+    seen = 0
+    while True:
+        done = c.get_job_info(sid).status.value in TERMINAL
+        text = c.get_job_logs(sid)
+        if len(text) > seen:
+            sink(text[seen:])
+            seen = len(text)
+        if done or (stop is not None and stop.is_set()):
+            return
+        time.sleep(poll)
+
+
+def _follow_quietly(c, sid, sink, stop) -> None:
     try:
-        asyncio.run(follow())
-    except Exception:   # noqa: BLE001 - streaming is a convenience; the full log is fetched at the end
+        follow_logs(c, sid, sink, stop)
+    except Exception:   # noqa: BLE001 - live output is a convenience; wait() fetches the full log
         pass
 
 
@@ -117,7 +129,7 @@ def wait(cfg, sid: str, timeout_s: float, log_path: Path | str | None = None, c=
             for line in lines:
                 progress(f"  | {line}")
 
-    streamer = threading.Thread(target=_tail, args=(c, sid, sink, stop), daemon=True)
+    streamer = threading.Thread(target=_follow_quietly, args=(c, sid, sink, stop), daemon=True)
     streamer.start()
     status, timed_out = "PENDING", False
     while True:

@@ -95,15 +95,12 @@ def logs(selection, run_ref, step, follow):
 
 
 def _follow(cfg, sid: str) -> None:
-    import asyncio
     from launcher import jobs
-    c = jobs.client(cfg)
 
-    async def tail():
-        async for chunk in c.tail_job_logs(sid):
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
-    asyncio.run(tail())
+    def out(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    jobs.follow_logs(jobs.client(cfg), sid, out)
 
 
 @runs.command("stop")

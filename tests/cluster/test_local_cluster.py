@@ -1,10 +1,13 @@
-"""The embedded default: LocalNode + a local Ray on this machine (own ports, own directories)."""
+"""The embedded default: LocalNode + a local Ray on this machine (own ports, own directories),
+with jobs submitted, followed and stopped through the registry and the CLI."""
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import pytest
 from conftest import tagged_pids
 from launcher import cluster, jobs, preflight, registry
 from launcher.config import Selection, resolve
+from launcher.plan import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,13 +39,31 @@ def local_cfg(tmp_path_factory):
     subprocess.run(["rm", "-rf", str(local)])
 
 
+def v4(cfg, *args, **kw) -> subprocess.CompletedProcess:
+    sets = [x for s in cfg.selection.sets for x in ("--set", s)]
+    return subprocess.run([sys.executable, "-m", "launcher", *args, "--hw", "cpu", *sets], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+def _job(sid: str, code: str) -> JobSpec:
+    return JobSpec(submission_id=sid, entrypoint=f"{sys.executable} -c {shlex.quote(code)}", runtime_env={},
+                   entrypoint_num_cpus=0, entrypoint_num_gpus=0, timeout_s=120, submit="")
+
+
 def test_local_preflight_passes(local_cfg):
     rs = preflight.run_checks(local_cfg)
     assert not preflight.failed(rs), preflight.render_table(rs)
     assert {r.node for r in rs} == {"127.0.0.1"}
 
 
-def test_local_up_probe_down(local_cfg):
+def test_no_cluster_is_a_cluster_error(local_cfg):
+    from launcher.errors import ClusterError
+    with pytest.raises(ClusterError, match="does not answer"):
+        jobs.client(local_cfg)
+    assert v4(local_cfg, "cluster", "status").returncode == 5
+
+
+def test_local_up_and_probe(local_cfg):
     st = cluster.up(local_cfg)
     assert st.healthy and [n.ip for n in st.nodes] == ["127.0.0.1"]
     assert st.nodes[0].gcs_state == "ALIVE" and st.nodes[0].resources["CPU"] == 1
@@ -51,21 +73,50 @@ def test_local_up_probe_down(local_cfg):
     assert outcome.ok and [s["ip"] for s in seen] == ["127.0.0.1"]
     assert run.info()["status"] == "passed"
     assert "V4_PROBE" in run.step_log("probe").read_text()
+
+
+def test_failing_job_and_timeout(local_cfg):
+    bad = jobs.submit_and_wait(local_cfg, _job("t-fail-" + str(time.time_ns()), "import sys; print('boom'); sys.exit(7)"))
+    assert not bad.ok and bad.status == "FAILED" and bad.exit_code == 7 and "boom" in bad.log_tail
+    job = _job("t-slow-" + str(time.time_ns()), "import time; time.sleep(300)")
+    job.timeout_s = 3
+    slow = jobs.submit_and_wait(local_cfg, job)
+    assert slow.status == "TIMEOUT" and slow.exit_code == 124
+    assert jobs.client(local_cfg).get_job_info(slow.submission_id).status.value == "STOPPED"
+
+
+def test_runs_logs_follow_and_stop(local_cfg):
+    run = registry.create_run(local_cfg, prefix="t", argv=["test"])
+    sid = jobs.submit(local_cfg, _job(f"{run.id}-talk", "import time\nfor i in range(4):\n"
+                                                      "    print('line', i, flush=True); time.sleep(1)"))
+    run.set_step("talk", "running", submission_id=sid)
+    r = v4(local_cfg, "runs", "logs", run.id, "-f")
+    assert r.returncode == 0 and all(f"line {i}" in r.stdout for i in range(4)), r.stderr[-2000:]
+
+    sid = jobs.submit(local_cfg, _job(f"{run.id}-long", "import time; time.sleep(600)"))
+    run.set_step("long", "running", submission_id=sid)
+    r = v4(local_cfg, "runs", "stop", run.id[:-1])
+    assert r.returncode == 0 and sid in r.stderr
+    c = jobs.client(local_cfg)
+    for _ in range(30):
+        if c.get_job_info(sid).status.value == "STOPPED":
+            break
+        time.sleep(1)
+    assert c.get_job_info(sid).status.value == "STOPPED"
+    show = json.loads(v4(local_cfg, "runs", "show", run.id, "--json").stdout)
+    assert show["run"]["status"] == "stopped"
+    assert {s["name"]: s["status"] for s in show["steps"]}["long"] == "stopped"
+
+
+def test_local_down_scoped_and_complete(local_cfg):
     # Another cluster sharing V4_LOCAL_DIR (another port) sees nothing of ours and stops nothing.
     other = resolve(Selection(cluster="local", hw="cpu", sets=(*local_cfg.selection.sets, f"V4_RAY_PORT={_free_port()}")))
     assert [r["recorded"] for r in cluster.down(other)] == [False]
     assert cluster.status(local_cfg).healthy
     token = json.loads(Path(cluster.cluster_commands(local_cfg)[0].state_dir, "ray_procs.json").read_text())["session"]
-    ours = tagged_pids(f"V4_RAY_SESSION={token}")
-    assert ours
+    assert tagged_pids(f"V4_RAY_SESSION={token}")
     reports = cluster.down(local_cfg)
     assert reports[0]["ok"] and reports[0]["recorded"]
     assert tagged_pids(f"V4_RAY_SESSION={token}") == []
     st = cluster.status(local_cfg)
     assert not st.healthy and not st.nodes[0].recorded
-
-
-def test_probe_against_no_cluster_is_a_cluster_error(local_cfg):
-    from launcher.errors import ClusterError
-    with pytest.raises(ClusterError, match="does not answer"):
-        jobs.client(local_cfg)
