@@ -215,8 +215,8 @@ class ParallelMoE(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """sum_j w_j expert_{idx_j}(x) for every token, fp32 [T, dim]. Assignments are sorted by expert
-        (tokens ascending within an expert, as the reference loop visits them), sent to the EP rank that
-        holds the expert, computed there, sent back and added up."""
+        (tokens ascending within an expert), sent to the EP rank that holds the expert, computed there,
+        sent back and added up."""
         from megatron.core import parallel_state as ps
         P = ps.get_expert_model_parallel_world_size()
         if P == 1:
@@ -237,8 +237,8 @@ class ParallelMoE(nn.Module):
         recv_x = all_to_all(ep_group, send_x, splits_in, splits_out)
         recv_w = all_to_all(ep_group, send_w, splits_in, splits_out)
         out = all_to_all(ep_group, self._run_local(recv_x, recv_w, recv_counts), splits_out, splits_in)
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        return y.index_add(0, tok, out.float())
+        # back in (token, slot) order, then a sum over the k slots: no atomics, so deterministic on GPU
+        return out.float()[torch.argsort(order)].view(T, k, -1).sum(1)
 
     def _routed_local(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """EP = 1: the reference loop itself (same ops in the same order, so gradients match bit for bit)."""
