@@ -1,9 +1,10 @@
 """Preflight on three SSH hosts: clean, then one planted fault at a time on one host."""
 from __future__ import annotations
 
-import socket
+import json
+import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
@@ -76,16 +77,21 @@ def test_taken_port_on_the_head(netns_cluster, netns_cfg):
     port = int(netns_cfg["V4_DASHBOARD_PORT"])
     code = (f"import socket, time; s = socket.socket(); s.bind(('{h.ip}', {port})); s.listen(); "
             "print('listening', flush=True); time.sleep(600)")
-    import subprocess
     p = c.in_ns(h, sys.executable, "-c", code, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "listening"
         rs = preflight.run_checks(netns_cfg)
+        cli = subprocess.run([sys.executable, "-m", "launcher", "preflight", "--json", "--only", "ports",
+                              "--cluster", netns_cfg.selection.cluster, "--hw", "cpu"],
+                             cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
     finally:
         p.kill(); p.wait()
     assert _by(rs) == [("ports", h.ip)], preflight.render_table(rs)
     r = next(r for r in rs if r.name == "ports")
     assert f"V4_DASHBOARD_PORT={port} is taken by python" in r.detail and str(p.pid) in r.detail
+    assert cli.returncode == 3, cli.stderr                      # the command's exit code: preflight failed
+    out = json.loads(cli.stdout)
+    assert not out["ok"] and out["summary"]["FAIL"] == 1 and out["results"][0]["fix"]
 
 
 def test_missing_ssh_key_on_one_host(netns_cluster, netns_cfg):
