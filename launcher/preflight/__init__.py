@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict
 
 from launcher.errors import ConfigError
-from launcher.preflight.registry import CHECKS, CheckResult, Context, RequiredInput
+from launcher.preflight.registry import CHECKS, CheckResult, RequiredInput
 from launcher.preflight import checks as _checks  # noqa: F401 - registers the checks
 
 SCHEMA = 1

@@ -6,8 +6,6 @@ import copy
 import json
 from pathlib import Path
 
-import pytest
-
 from launcher.config import Selection, resolve
 from launcher.preflight import CHECKS
 from launcher.preflight.registry import Context, RequiredInput

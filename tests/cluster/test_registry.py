@@ -1,7 +1,6 @@
 """The run registry: ids, atomic files, manifest contents, steps, lookup, status."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess

@@ -3,9 +3,7 @@ stand-in `docker` (no Docker engine here) that answers `inspect` from a state fi
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
-from pathlib import Path
 
 import pytest
 
