@@ -254,6 +254,7 @@ class SSHNode:
         # there, which closing our end of the channel would not do.
         remote = f"timeout -k 5 {timeout:g} bash -c {script}" if timeout else f"bash -c {script}"
         chan = self.connect().get_transport().open_session(timeout=self.connect_timeout)
+        t0 = time.monotonic()
         try:
             chan.exec_command(remote)
             chan.shutdown_write()
@@ -276,7 +277,8 @@ class SSHNode:
         finally:
             chan.close()
         stderr = err.decode(errors="replace")
-        if timeout and rc in (TIMEOUT_RC, 128 + 9):
+        # 124/137 is how `timeout` reports it; a command that merely exits so early is not a timeout.
+        if timeout and rc in (TIMEOUT_RC, 128 + 9) and time.monotonic() - t0 >= timeout:
             stderr += f"\n[{self.name}] timed out after {timeout:g} s; killed there"
             rc = TIMEOUT_RC
         return Result(self.name, rc, out.decode(errors="replace"), stderr)

@@ -169,3 +169,9 @@ def test_ssh_put_get_and_fan_out_with_one_host_down(netns_cluster, tmp_path):
     rs = fan_out(nodes, lambda n: n.run("true"))
     assert [r.ok for r in rs] == [True, False, True]
     assert c.hosts[1].ip in rs[1].stderr and "unreachable" in rs[1].stderr
+
+
+@pytest.mark.netns
+def test_ssh_exit_124_is_not_mistaken_for_a_timeout(netns_cluster):
+    r = _ssh(netns_cluster, netns_cluster.hosts[0]).run("exit 124", timeout=30)
+    assert r.rc == 124 and "timed out" not in r.stderr
