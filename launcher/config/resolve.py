@@ -53,6 +53,7 @@ class Config:
     selection: Selection
     layers: list[tuple[str, str]]                 # (layer, file) in merge order
     derived: dict[str, Derived] = field(default_factory=dict)
+    resolved: dict[tuple[str, int], str] = field(default_factory=dict)   # (key, history index) -> text
 
     def __getitem__(self, key: str) -> Any:
         if key in self.values:
@@ -94,12 +95,18 @@ class Config:
                 "value": self.shown(key),
                 "from": last.where,
                 "overrode": None if prev is None else {
-                    "value": "***" if SCHEMA[key].secret and prev.raw else prev.raw,
+                    "value": "***" if SCHEMA[key].secret and prev.raw else self._as_written(key, len(hist) - 2),
                     "from": prev.where},
             })
         for key, d in self.derived.items():
             rows.append({"key": key, "value": d.value, "from": f"derived: {d.formula}", "overrode": None})
         return rows
+
+    def _as_written(self, key: str, idx: int) -> str:
+        """An earlier assignment's value, with what it was written as when that differs."""
+        raw = self.history[key][idx].raw
+        value = self.resolved.get((key, idx), raw)
+        return value if value == raw else f"{value} = {raw}"
 
     def to_json(self) -> dict:
         return {
@@ -199,12 +206,13 @@ def _merge(layers: list[tuple[str, str, list[Assignment]]], root: Path) -> Confi
                                   fix="see `v4 config keys` for every key with its doc")
             history[a.key].append(a)
     builtins = {"V4_ROOT": str(root)}
-    raw = _interpolate(history, builtins)
+    raw, resolved = _interpolate(history, builtins)
     values = {k: _typed(SCHEMA[k], raw[k], history[k][-1]) for k in SCHEMA}
-    return Config(values, history, Selection(), [(kind, f) for kind, f, _ in layers])
+    return Config(values, history, Selection(), [(kind, f) for kind, f, _ in layers], resolved=resolved)
 
 
-def _interpolate(history: dict[str, list[Assignment]], builtins: dict[str, str]) -> dict[str, str]:
+def _interpolate(history: dict[str, list[Assignment]],
+                 builtins: dict[str, str]) -> tuple[dict[str, str], dict[tuple[str, int], str]]:
     memo: dict[tuple[str, int], str] = {}
 
     def value(key: str, idx: int, stack: list[tuple[str, int]]) -> str:
@@ -233,7 +241,14 @@ def _interpolate(history: dict[str, list[Assignment]], builtins: dict[str, str])
         memo[(key, idx)] = out
         return out
 
-    return {k: value(k, len(h) - 1, []) for k, h in history.items()}
+    final = {k: value(k, len(h) - 1, []) for k, h in history.items()}
+    for k, h in history.items():        # earlier assignments too, for OVERRODE
+        for i in range(len(h) - 1):
+            try:
+                value(k, i, [])
+            except ConfigError:
+                pass                    # an overridden value that no longer resolves is shown raw
+    return final, memo
 
 
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}

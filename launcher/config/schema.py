@@ -101,6 +101,7 @@ KEYS: list[Key] = [
     _k("HW_PYTORCH_CUDA_ALLOC_CONF", "str", "expandable_segments:True", "hw", "PYTORCH_CUDA_ALLOC_CONF for jobs"),
     _k("HW_SMOKE_MODEL", "str", "tiny", "hw", "model the smoke preset uses on this hardware"),
     _k("HW_SMOKE_SEQ_LEN", "int", 128, "hw", "sequence length the smoke preset uses on this hardware"),
+    _k("HW_SMOKE_LR", "float", 1e-3, "hw", "learning rate the smoke preset uses on this hardware's smoke model"),
     _k("HW_PEAK_MEM_BUDGET_GB", "float", 0, "hw", "dryrun gate: peak memory per GPU must stay under this (0: no gate)"),
     _k("HW_STEP_TIME_BUDGET_S", "float", 0, "hw", "dryrun gate: steady-state step time must stay under this (0: no gate)"),
     # --- workload preset --------------------------------------------------------------------------

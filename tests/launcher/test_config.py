@@ -59,7 +59,7 @@ def test_explain_names_file_line_and_what_was_overridden(capsys):
     code, out, _ = v4(capsys, "config", "show", "--preset", "smoke", "--hw", "cpu", "--explain",
                       "--set", "PRESET_LR=3e-4")
     line = next(l for l in out.splitlines() if l.startswith("PRESET_LR "))
-    assert "cli --set PRESET_LR" in line and "'1e-3' (presets/smoke.env:" in line
+    assert "cli --set PRESET_LR" in line and "'1e-3 = ${HW_SMOKE_LR}' (presets/smoke.env:" in line
 
 
 def test_set_moves_interpolated_paths():
