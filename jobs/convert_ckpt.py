@@ -66,8 +66,8 @@ class BF16Reader:
 
 
 def worker(rank: int, world: int, master_addr: str, master_port: int, job: ConvertJob) -> int:
-    import warnings
-    warnings.filterwarnings("ignore", module="megatron")
+    from dsv4.megatron.train import quiet_libraries
+    quiet_libraries()
     RunContext.load(job.run_dir)                     # socket interface for gloo
     import torch.distributed as dist
     from megatron.core import dist_checkpointing

@@ -45,8 +45,8 @@ def rank_rows(ds, dp_rank: int, dp: int, micro: int) -> list[dict]:
 
 
 def worker(rank: int, world: int, master_addr: str, master_port: int, job: EvalJob) -> int:
-    import warnings
-    warnings.filterwarnings("ignore", module="megatron")
+    from dsv4.megatron.train import quiet_libraries
+    quiet_libraries()
     ctx = RunContext.load(job.run_dir)
     from dsv4.megatron.parallel import init_parallel
     from dsv4.megatron.train import Trainer, init_distributed

@@ -118,15 +118,12 @@ def tokenizer_dirs(cfg: dict) -> list[str]:
 
 def worker(rank: int, world: int, master_addr: str, master_port: int, job: SFTJob) -> int:
     """One rank of the training job (in process, or inside a Ray actor)."""
-    import warnings
-    warnings.filterwarnings("ignore", module="megatron")
+    from dsv4.megatron.train import quiet_libraries
+    quiet_libraries()
     ctx = RunContext.load(job.run_dir)           # also exports the socket interface for gloo/NCCL
-    import torch
     from dsv4.megatron.parallel import init_parallel
     from dsv4.megatron.train import Outputs, init_distributed, run_sft
     tc = job.tc
-    if tc.device == "cpu":
-        torch.set_num_threads(max(1, (torch.get_num_threads() or 1) // max(1, min(world, 4))))
     init_distributed(rank, world, job.backend, tc.device, master_addr, master_port)
     init_parallel(tc.layout, tc.seed)
     step_dir = Path(job.run_dir) / "steps" / "train"
