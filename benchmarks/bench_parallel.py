@@ -48,10 +48,8 @@ def _worker(rank, world, port, args, name, out):
     from dsv4.megatron.model import Objective
     from dsv4.megatron.parallel import Layout, init_parallel
     from dsv4.megatron.train import TrainConfig, Trainer, init_distributed, peak_memory_gb, split_micro_batches
-    if args.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    else:
-        os.environ["LOCAL_RANK"] = str(rank)
+    if args.device == "cuda":
+        os.environ["LOCAL_RANK"] = str(rank)       # (CPU threads per rank: see train.init_distributed)
     _, tp, pp, ep, etp = LAYOUTS[name]
     init_distributed(rank, world, "nccl" if args.device == "cuda" else "gloo", args.device, "127.0.0.1", port)
     m = ModelConfig.preset(args.model).with_overrides(args.overrides, attn_impl=args.attn_impl)
