@@ -51,7 +51,8 @@ def make_run(run_dir: Path, models: Path, **values) -> Path:
 
 
 def job(name: str, run_dir: Path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
-    e = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    e = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **env}
     for k in ("V4_PLANT_NAN", "V4_KILL_AT_STEP"):
         if k not in env:
             e.pop(k, None)
