@@ -115,6 +115,63 @@ def _thread_queue_for_checkpoint_writes() -> None:
         filesystem_async.get_write_results_queue = lambda mp_mode="spawn": filesystem_async._dsv4_thread_queue
 
 
+def _mixed_dtype_optimizer_checkpoints() -> None:
+    """megatron's bf16 optimizer (Float16OptimizerWithFloat16Params) builds its checkpoint map as if
+    every parameter were 16-bit: it numbers optimizer states by walking only the 16-bit parameters,
+    while torch's Adam numbers them over the param groups, where DSV4's fp32 parameters (norms, hc_*,
+    attn_sink, ape, compressor, head) sit in between. Saving then fails ("Optimizer shape (4, 512) does
+    not match model shape (512, 128)"), or pairs states with the wrong parameters. This replacement
+    numbers them over the param groups, like the optimizer does.
+    The fp32 master copies are keyed {group: {index: tensor}} instead of nested lists: a param group
+    without 16-bit parameters (the no-weight-decay group holds only fp32 ones) is an empty list, and
+    dist_checkpointing's split into sharded and common parts drops list positions around it, so the
+    merge on load fails ("Cannot merge two lists with different lengths (0 and 37)")."""
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            make_sharded_optimizer_tensor,
+                                                            optim_state_to_sharding_state)
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as F16
+    if getattr(F16, "_dsv4_mixed_dtype", False):
+        return
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+        state_dict = self.state_dict()
+        model_of = {}                                  # id(optimizer's param) -> model parameter
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            model_of.update({id(main): m for m, main in zip(model_group, main_group)})
+        for group in self.fp32_from_fp32_groups:
+            model_of.update({id(p): p for p in group})
+        in_order = [model_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, in_order)
+        masters = {}
+        for g, (state_group, fp32_group) in enumerate(zip(state_dict["optimizer"]["param_groups"],
+                                                         state_dict["fp32_from_fp16_params"])):
+            state_id = {id(p): sid for sid, p in zip(state_group["params"], self.optimizer.param_groups[g]["params"])}
+            masters[str(g)] = {str(i): make_sharded_optimizer_tensor(id_map[state_id[id(p)]], p,
+                                                                     prefix="optimizer.state.fp32_param")
+                               for i, p in enumerate(fp32_group)}
+        state_dict["fp32_from_fp16_params"] = masters
+        step = self._extract_common_per_param_step(state_dict["optimizer"])
+        optim_state_to_sharding_state(state_dict["optimizer"], id_map, exclude_keys="step")
+        if step:
+            state_dict["optimizer"]["state"]["common_step"] = step
+        return state_dict
+
+    original_load = F16.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        masters = state_dict.get("fp32_from_fp16_params")
+        if isinstance(masters, dict):      # written by sharded_state_dict above: back to nested lists
+            state_dict = {**state_dict, "fp32_from_fp16_params": [
+                [masters[str(g)][str(i)] for i in range(len(masters[str(g)]))] for g in range(len(masters))]}
+        return original_load(self, state_dict)
+
+    F16.sharded_state_dict = sharded_state_dict
+    F16.load_state_dict = load_state_dict
+    F16._dsv4_mixed_dtype = True
+
+
 def peak_memory_gb(device: str) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2 ** 30
@@ -262,6 +319,7 @@ class Trainer:
         self.tc = tc
         cfg = tc.model
         _thread_queue_for_checkpoint_writes()
+        _mixed_dtype_optimizer_checkpoints()
         self.ranks = Ranks.current()
         tc.layout.validate(cfg, self.ranks.world, tc.seq_len)
         self.n_micro = tc.micro_batches_per_step(self.ranks.dp)

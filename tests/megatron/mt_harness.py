@@ -170,7 +170,8 @@ def reference_result(out_dir: Path) -> dict:
     return torch.load(Path(out_dir) / "reference.pt", weights_only=False)
 
 
-def _roundtrip_worker(rank: int, world: int, port: int, tp: int, ckpt: str, bf16: str, out_dir: str) -> None:
+def _roundtrip_worker(rank: int, world: int, port: int, tp: int, ckpt: str, bf16: str, out_dir: str,
+                      dtype: str) -> None:
     """Load a converted checkpoint at TP = `tp` and compare every local shard with the BF16 source."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -179,7 +180,7 @@ def _roundtrip_worker(rank: int, world: int, port: int, tp: int, ckpt: str, bf16
     from dsv4.megatron.parallel import Layout, init_parallel, shard_index
     from dsv4.megatron.train import TrainConfig, Trainer, init_distributed
     init_distributed(rank, world, "gloo", "cpu", "127.0.0.1", port)
-    cfg = ModelConfig.preset("tiny")
+    cfg = ModelConfig.preset("tiny", dtype=dtype)
     tc = TrainConfig(model=cfg, layout=Layout(tp=tp), seq_len=32, global_batch_size=world // tp)
     init_parallel(tc.layout, tc.seed)
     tr = Trainer(tc, init=None)
@@ -195,6 +196,7 @@ def _roundtrip_worker(rank: int, world: int, port: int, tp: int, ckpt: str, bf16
     torch.save({"checked": n, "mismatch": bad}, Path(out_dir) / f"roundtrip.rank{rank}.pt")
 
 
-def run_roundtrip(ckpt: Path, bf16: Path, tp: int, out_dir: Path) -> list[dict]:
-    mp.spawn(_roundtrip_worker, args=(tp, free_port(), tp, str(ckpt), str(bf16), str(out_dir)), nprocs=tp, join=True)
+def run_roundtrip(ckpt: Path, bf16: Path, tp: int, out_dir: Path, dtype: str = "fp32") -> list[dict]:
+    mp.spawn(_roundtrip_worker, args=(tp, free_port(), tp, str(ckpt), str(bf16), str(out_dir), dtype),
+             nprocs=tp, join=True)
     return [torch.load(Path(out_dir) / f"roundtrip.rank{r}.pt") for r in range(tp)]

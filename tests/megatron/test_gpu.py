@@ -16,9 +16,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attn", ["tilelang", "torch"])
 def test_sft_on_cuda(models, tmp_path, attn):   # noqa: F811
-    overrides = ["dtype=bf16"]
     run = make_run(tmp_path / "run", models, HW_DEVICE="cuda", HW_DIST_BACKEND="nccl", ATTN_IMPL=attn,
-                   PRESET_MODEL_OVERRIDES=overrides, PRESET_SEQ_LEN=256, PRESET_GLOBAL_BATCH_SIZE=4,
+                   PRESET_SEQ_LEN=256, PRESET_GLOBAL_BATCH_SIZE=4,
                    CKPT_TORCH_DIST=str(tmp_path / "torch_dist"))
     conv = job("convert_ckpt", run)
     assert conv.returncode == 0, conv.stderr[-3000:]

@@ -1,7 +1,8 @@
 """The training-side jobs end to end on CPU: convert -> load round trip, SFT with metrics and the
 save -> reload check, resume after a kill, a planted NaN stopping with exit 16, and the Ray driver
 for more than one rank. Jobs run as `python -m jobs.<name> --run-dir DIR` subprocesses on a
-generated tiny checkpoint in the official layout (dequantized to BF16 first)."""
+generated tiny checkpoint in the official layout (dequantized to BF16 first). The model runs in bf16
+as on a GPU: bf16 weights with the reference's fp32 parameters, megatron's bf16 optimizer."""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def models(tmp_path_factory):
 
 def make_run(run_dir: Path, models: Path, **values) -> Path:
     """A run directory with the config.json the launcher would write (only the keys these jobs read)."""
-    v = dict(PRESET_MODEL="tiny", PRESET_MODEL_OVERRIDES=[], ATTN_IMPL="torch", HW_DEVICE="cpu",
+    v = dict(PRESET_MODEL="tiny", PRESET_MODEL_OVERRIDES=["dtype=bf16"], ATTN_IMPL="torch", HW_DEVICE="cpu",
              HW_DIST_BACKEND="gloo", PRESET_TP=1, PRESET_PP=1, PRESET_EP=1, PRESET_ETP=1, PRESET_CP=1,
              PRESET_SEQ_LEN=32, PRESET_MICRO_BATCH_SIZE=1, PRESET_GLOBAL_BATCH_SIZE=2, PRESET_NUM_STEPS=3,
              PRESET_LR=1e-3, PRESET_MIN_LR=0.0, PRESET_LR_DECAY_STYLE="constant", PRESET_LR_WARMUP_ITERS=0,
@@ -87,7 +88,7 @@ def trained(converted, tmp_path_factory):
 
 def test_convert_then_load_round_trip_at_another_layout(converted, tmp_path):
     """Converted at world 1, loaded at TP=2: every shard equals the BF16 source slice."""
-    for r in H.run_roundtrip(converted / "torch_dist", converted / "bf16", 2, tmp_path):
+    for r in H.run_roundtrip(converted / "torch_dist", converted / "bf16", 2, tmp_path, dtype="bf16"):
         assert r["checked"] > 100 and r["mismatch"] == []
 
 
