@@ -137,8 +137,37 @@ def job_env(cfg: Config, run_dir: str) -> dict[str, str]:
     return env
 
 
+def step_def(cfg: Config, name: str) -> StepDef:
+    return RL_TRAIN if name == "train" and cfg["PRESET_MODE"] == "rl" else PIPELINE[name]
+
+
+# What marks an input complete when a person (not this run) put it there.
+INPUT_SENTINELS = {"CKPT_HF_DIR": "model.safetensors.index.json", "CKPT_BF16_DIR": "model.safetensors.index.json",
+                   "CKPT_TORCH_DIST": ".v4-done.json"}
+
+
+def required_inputs(cfg: Config) -> list:
+    """Inputs no step of this run produces: they must exist before it starts (preflight `inputs`)."""
+    from launcher.preflight import RequiredInput
+
+    produced: set[str] = set()
+    out, seen = [], set()
+    for name in cfg["PRESET_STEPS"]:
+        d = step_def(cfg, name) if name in PIPELINE else None
+        if d is None:
+            continue
+        for key in d.inputs:
+            if key in cfg and key not in produced and key not in seen:
+                seen.add(key)
+                out.append(RequiredInput(
+                    str(cfg[key]), f"{name} reads {key}", INPUT_SENTINELS.get(key, ""),
+                    f"provide {key}={cfg[key]} (or add the step that makes it to PRESET_STEPS)"))
+        produced |= set(d.outputs)
+    return out
+
+
 def job_step(cfg: Config, name: str, run_id: str, run_dir: str) -> Step:
-    d = RL_TRAIN if name == "train" and cfg["PRESET_MODE"] == "rl" else PIPELINE[name]
+    d = step_def(cfg, name)
     entrypoint = f"{shlex.quote(python_on_nodes(cfg))} -m {d.module} --run-dir {shlex.quote(run_dir)}"
     runtime_env = {"working_dir": str(cfg.selection.root),
                    "excludes": WORKING_DIR_EXCLUDES, "env_vars": job_env(cfg, run_dir)}

@@ -89,7 +89,8 @@ def versions(node, ctx):
 @check("packages", "packages the jobs import are installed")
 def packages(node, ctx):
     pk = ctx.facts[node]["packages"]
-    need = ["ray", "torch", "megatron-core"]
+    # Ray is needed only when steps run as Ray jobs (V4_EXECUTOR=local runs them as subprocesses)
+    need = (["ray"] if ctx.cfg.get("V4_EXECUTOR", "ray") == "ray" else []) + ["torch", "megatron-core"]
     if is_cuda(ctx) and ctx.cfg.get("PRESET_ATTN_IMPL", "auto") in ("auto", "tilelang"):
         need.append("tilelang")
     missing = [p for p in need if not pk.get(p)]
