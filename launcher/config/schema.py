@@ -138,6 +138,7 @@ KEYS: list[Key] = [
     _k("PRESET_LR_DECAY_STYLE", "enum", "constant", "preset", "learning-rate schedule", ("constant", "cosine", "linear")),
     _k("PRESET_LR_WARMUP_ITERS", "int", 0, "preset", "warm-up steps"),
     _k("PRESET_WEIGHT_DECAY", "float", 0.1, "preset", "AdamW weight decay"),
+    _k("PRESET_MTP_LOSS_COEFF", "float", 0, "preset", "weight of the MTP blocks' loss (0: MTP neither runs nor trains)"),
     _k("PRESET_SEED", "int", 1234, "preset", "seed for weights, data order and dropout"),
     _k("PRESET_STRICT_PREFLIGHT", "bool", 0, "preset", "treat preflight WARN as FAIL"),
     _k("PRESET_PLANT_NAN", "str", "", "preset", "fault injection for tests: MODULE:STEP makes that module's output NaN at that step"),
