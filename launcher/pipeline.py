@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import shlex
 import sys
 import time
 from dataclasses import asdict
@@ -57,8 +58,8 @@ def check_stage_order(cfg: Config, force: bool) -> None:
 
 def check_available(plan: Plan) -> None:
     """Refuse up front when a step's program does not exist yet: no pretend success."""
-    missing = [f"{s.name} ({s.job.entrypoint.split(' -m ')[1].split()[0]})" for s in plan.steps
-               if s.kind == "job" and importlib.util.find_spec(s.job.entrypoint.split(" -m ")[1].split()[0]) is None]
+    missing = [f"{s.name} ({s.module})" for s in plan.steps
+               if s.kind == "job" and importlib.util.find_spec(s.module) is None]
     if missing:
         raise JobError(f"not available yet in this version: {', '.join(missing)}",
                        fix="drop these steps with --set PRESET_STEPS=\"...\" or use a preset whose steps exist")
@@ -72,6 +73,7 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
 
     check_stage_order(cfg, force)
     check_available(plan)
+    _check_skip_names(skip_checks)
     run = registry.open_run(cfg, plan) if resume else registry.create_run(cfg, plan, argv=sys.argv)
     # The single record of what this run was asked to do; every job reads it.
     run.write_json("config.json", {"values": cfg.job_values()}, private=True)
@@ -94,8 +96,7 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
         run.finish("failed", error=e.message, code=e.code)
         say(f"\nrun {plan.run_id} FAILED after {time.time() - t0:.0f} s: {e.message}")
         say(f"  logs:   v4 runs logs {plan.run_id}")
-        say(f"  resume: v4 run --preset {cfg.selection.preset} --cluster {cfg.selection.cluster} "
-            f"--hw {cfg.selection.hw} --resume {plan.run_id}")
+        say(f"  resume: {rerun_command(cfg, f'--resume {plan.run_id}')}")
         raise
     except BaseException as e:
         # a bug or Ctrl-C: the run must not stay "running" in the registry
@@ -103,6 +104,25 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
         raise
     run.finish("passed")
     _summary(cfg, run, plan, time.time() - t0, as_json)
+
+
+def rerun_command(cfg, extra: str) -> str:
+    """The command that repeats this run's selection (every --env-file and --set included)."""
+    sel = cfg.selection
+    parts = ["v4 run", f"--preset {sel.preset}", f"--cluster {shlex.quote(sel.cluster)}", f"--hw {sel.hw}"]
+    parts += [f"--env-file {shlex.quote(f)}" for f in sel.env_files]
+    parts += [f"--set {shlex.quote(s)}" for s in sel.sets]
+    return " ".join(parts + [extra])
+
+
+def _check_skip_names(skip_checks) -> None:
+    from launcher.preflight import check_names
+
+    names = check_names()
+    unknown = [n for n in skip_checks if n not in names]
+    if unknown:
+        from launcher.errors import ConfigError
+        raise ConfigError(f"--skip-check: unknown check(s) {', '.join(unknown)}", fix=f"checks: {', '.join(names)}")
 
 
 def _preflight(cfg, run, step: Step, skip_checks) -> None:

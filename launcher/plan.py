@@ -86,6 +86,7 @@ class Step:
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     items: list[str] = field(default_factory=list)              # check or gate names
+    module: str = ""                                            # a job step's program (jobs.<name>)
 
 
 @dataclass
@@ -187,7 +188,8 @@ def job_step(cfg: Config, name: str, run_id: str, run_dir: str) -> Step:
         job.submit = TEMPLATES.get_template("job_submit.sh.j2").render(
             address=dashboard_url(cfg), job=job, runtime_env_json=json.dumps(runtime_env))
     resolve_io = lambda keys: [cfg[k] if k in cfg else f"{run_dir}/{k}" for k in keys]
-    return Step(name, "job", d.doc, job=job, inputs=resolve_io(d.inputs), outputs=resolve_io(d.outputs))
+    return Step(name, "job", d.doc, job=job, inputs=resolve_io(d.inputs), outputs=resolve_io(d.outputs),
+                module=d.module)
 
 
 def build(cfg: Config, run_id: str | None = None) -> Plan:
