@@ -39,4 +39,7 @@ def config_options(preset_required: bool = False):
 
 
 def load_config(selection: Selection):
-    return resolve(selection)
+    cfg = resolve(selection)
+    for w in cfg.warnings:
+        click.echo(f"warning: {w}", err=True)
+    return cfg

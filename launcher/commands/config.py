@@ -50,7 +50,7 @@ def validate(selection, as_json):
     cfg = load_config(selection)
     derived = {k: d.value for k, d in cfg.derived.items()}
     if as_json:
-        click.echo(json.dumps({"ok": True, "derived": derived}, indent=2))
+        click.echo(json.dumps({"ok": True, "derived": derived, "warnings": cfg.warnings}, indent=2))
     else:
         click.echo(f"ok: cluster={cfg.selection.cluster} hw={cfg.selection.hw} preset={cfg.selection.preset or '-'}")
         for k, v in derived.items():

@@ -6,6 +6,7 @@ are reported together so one edit-validate cycle fixes them all.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 
@@ -20,6 +21,13 @@ class ModelFacts:
     n_experts: int
     n_heads: int
     o_groups: int
+    dense_params: int           # every parameter outside the routed experts
+    expert_params: int
+    bytes_per_param: int        # weight + gradient + optimizer state, as the trainer keeps them
+
+
+# bf16 weight + fp32 gradient + fp32 master weight + two fp32 Adam moments; fp32 models: 4 + 4 + 8.
+STATE_BYTES = {"bf16": 18, "fp32": 16}
 
 
 def model_facts(cfg: Config) -> ModelFacts:
@@ -33,7 +41,11 @@ def model_facts(cfg: Config) -> ModelFacts:
         raise ConfigError(f"{where}: model {cfg['PRESET_MODEL']!r} with overrides "
                           f"{' '.join(cfg['PRESET_MODEL_OVERRIDES']) or '(none)'}: {e}",
                           fix="PRESET_MODEL is one of tiny, 4layer, flash, pro; overrides are field=value") from None
-    return ModelFacts(m.n_layers, m.n_routed_experts, m.n_heads, m.o_groups)
+    shapes = m.param_shapes()
+    expert = sum(math.prod(s) for name, s in shapes.items() if ".experts." in name)
+    dense = sum(math.prod(s) for s in shapes.values()) - expert
+    return ModelFacts(m.n_layers, m.n_routed_experts, m.n_heads, m.o_groups, dense, expert,
+                      STATE_BYTES.get(m.dtype, 18))
 
 
 def at(cfg: Config, key: str) -> str:
@@ -99,6 +111,20 @@ def derive_and_check(cfg: Config) -> None:
         keys = ("PRESET_PP_LAYOUT",) if v["PRESET_PP_LAYOUT"] else ("PRESET_PP_FIRST_LAYERS", "PRESET_PP_LAST_LAYERS")
         errors.append(f"pipeline split: {e}; {', '.join(at(cfg, k) for k in (*keys, 'PRESET_PP'))}, "
                       f"model layers {m.n_layers} ({at(cfg, 'PRESET_MODEL')})")
+
+    # -- memory: weights, gradients and optimizer state must fit before activations even start ----
+    etp = v["PRESET_ETP"]
+    per_gpu = m.dense_params / (tp * pp) + m.expert_params / (ep * etp * pp)
+    state_gb = per_gpu * m.bytes_per_param / 2**30
+    d["STATE_GB_PER_GPU"] = Derived(round(state_gb, 1), "params per GPU (dense/(TP*PP) + experts/(EP*ETP*PP)) "
+                                                        f"x {m.bytes_per_param} bytes (weight, grad, Adam)")
+    if v["HW_GPU_MEMORY_GB"] and state_gb > v["HW_GPU_MEMORY_GB"]:
+        # a warning, not an error: the estimate knows nothing of optimizer CPU offload and the like
+        cfg.warnings.append(f"~{state_gb:.0f} GB of weights, gradients and optimizer state per GPU for "
+                      f"{at(cfg, 'PRESET_MODEL')} ({(m.dense_params + m.expert_params) / 1e9:.1f} B params) "
+                      f"exceed {at(cfg, 'HW_GPU_MEMORY_GB')}; spread it wider ({at(cfg, 'PRESET_EP')}, "
+                      f"{at(cfg, 'PRESET_TP')}, {at(cfg, 'PRESET_PP')}) or shrink it, e.g. "
+                      f"--set PRESET_MODEL_OVERRIDES=\"n_routed_experts=8\"; the train step will run out of memory")
 
     # -- checkpoints: the real release (hf) or a generated one per model/overrides/seed -----------
     if v["PRESET_WEIGHTS"] == "generate":

@@ -54,6 +54,7 @@ class Config:
     layers: list[tuple[str, str]]                 # (layer, file) in merge order
     derived: dict[str, Derived] = field(default_factory=dict)
     resolved: dict[tuple[str, int], str] = field(default_factory=dict)   # (key, history index) -> text
+    warnings: list[str] = field(default_factory=list)          # cross-checks that are likely, not certain, trouble
 
     def __getitem__(self, key: str) -> Any:
         if key in self.values:

@@ -159,3 +159,14 @@ def test_config_show_imports_neither_torch_nor_ray():
             "print('HEAVY', sorted(m for m in ('torch', 'ray', 'paramiko', 'dsv4.model') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert "HEAVY []" in r.stdout, r.stdout[-500:] + r.stderr[-2000:]
+
+
+def test_memory_estimate_warns_before_an_oom():
+    """The 4-layer model with all 256 experts on one H200: ~570 GB of state, a warning naming the fix."""
+    cfg = resolve(Selection(preset="smoke", hw="h200"))
+    assert cfg["STATE_GB_PER_GPU"] > 141
+    assert any("exceed HW_GPU_MEMORY_GB=141.0" in w and "n_routed_experts=8" in w for w in cfg.warnings)
+    small = resolve(Selection(preset="smoke", hw="h200", sets=("PRESET_MODEL_OVERRIDES=n_routed_experts=8",)))
+    assert 0 < small["STATE_GB_PER_GPU"] < 141 and not small.warnings
+    # 8 GPUs share the experts: fits an H200
+    assert not resolve(Selection(cluster="h20_8node", hw="h200", preset="smoke")).warnings
