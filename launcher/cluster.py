@@ -92,8 +92,10 @@ def dashboard_url(cfg) -> str:
 RAY_AUTH_ENV = {"RAY_AUTH_MODE": "disabled"}
 
 
-def _node_env(cfg) -> dict[str, str]:
-    env: dict[str, str] = dict(RAY_AUTH_ENV)
+def site_env(cfg) -> dict[str, str]:
+    """What every process on the nodes needs from the site: proxy (never for the cluster's own
+    addresses) and time zone. Ray daemons and job steps both get it."""
+    env: dict[str, str] = {}
     if cfg.get("V4_HTTP_PROXY"):
         proxy = str(cfg["V4_HTTP_PROXY"])
         env.update(http_proxy=proxy, https_proxy=proxy, HTTP_PROXY=proxy, HTTPS_PROXY=proxy,
@@ -101,6 +103,11 @@ def _node_env(cfg) -> dict[str, str]:
         env["NO_PROXY"] = env["no_proxy"]
     if cfg.get("V4_TZ"):
         env["TZ"] = str(cfg["V4_TZ"])
+    return env
+
+
+def _node_env(cfg) -> dict[str, str]:
+    env: dict[str, str] = {**RAY_AUTH_ENV, **site_env(cfg)}
     if str(cfg["V4_MASTER_IP"]).startswith("127."):
         # Otherwise Ray silently advertises the default-route address instead of loopback.
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"

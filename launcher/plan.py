@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jinja2
 
-from launcher.cluster import dashboard_url
+from launcher.cluster import dashboard_url, site_env
 from launcher.config import Config
 from launcher.nodes import python_on_nodes
 
@@ -107,34 +107,29 @@ class Plan:
 
 def job_env(cfg: Config, run_dir: str) -> dict[str, str]:
     """Environment every job step gets (the runtime_env's env_vars)."""
-    v = cfg
     env = {
         "V4_RUN_DIR": run_dir,
         "PYTHONUNBUFFERED": "1",
-        "MASTER_ADDR": v["V4_MASTER_IP"],
-        "MASTER_PORT": str(v["V4_DIST_PORT"]),
-        "HF_HOME": v["V4_HF_HOME"],
+        "MASTER_ADDR": cfg["V4_MASTER_IP"],
+        "MASTER_PORT": str(cfg["V4_DIST_PORT"]),
+        "HF_HOME": cfg["V4_HF_HOME"],
     }
     python = python_on_nodes(cfg)
     if python.startswith("/"):
         # `python` inside a job must be the project's interpreter, not the system one.
         env["PATH"] = f"{Path(python).parent}:${{PATH}}"
-    if v["V4_SOCKET_IFNAME"] != "auto":
-        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = v["V4_SOCKET_IFNAME"]
-    if v["HW_DEVICE"] == "cuda":
+    if cfg["V4_SOCKET_IFNAME"] != "auto":
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = cfg["V4_SOCKET_IFNAME"]
+    if cfg["HW_DEVICE"] == "cuda":
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-        env["NCCL_NVLS_ENABLE"] = str(int(v["HW_NCCL_NVLS_ENABLE"]))
-        if v["HW_PYTORCH_CUDA_ALLOC_CONF"]:
-            env["PYTORCH_CUDA_ALLOC_CONF"] = v["HW_PYTORCH_CUDA_ALLOC_CONF"]
-    if v["V4_NCCL_IB_DISABLE"]:
+        env["NCCL_NVLS_ENABLE"] = str(int(cfg["HW_NCCL_NVLS_ENABLE"]))
+        if cfg["HW_PYTORCH_CUDA_ALLOC_CONF"]:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = cfg["HW_PYTORCH_CUDA_ALLOC_CONF"]
+    if cfg["V4_NCCL_IB_DISABLE"]:
         env["NCCL_IB_DISABLE"] = "1"
-    if v["V4_HTTP_PROXY"]:
-        env["http_proxy"] = env["https_proxy"] = v["V4_HTTP_PROXY"]
-        env["no_proxy"] = ",".join(["127.0.0.1", "localhost", *cfg.nodes])
-    if v["PRESET_PLANT_NAN"]:
-        env["V4_PLANT_NAN"] = v["PRESET_PLANT_NAN"]
-    if v["V4_TZ"]:
-        env["TZ"] = v["V4_TZ"]
+    if cfg["PRESET_PLANT_NAN"]:
+        env["V4_PLANT_NAN"] = cfg["PRESET_PLANT_NAN"]
+    env.update(site_env(cfg))
     return env
 
 
