@@ -116,13 +116,9 @@ def rerun_command(cfg, extra: str) -> str:
 
 
 def _check_skip_names(skip_checks) -> None:
-    from launcher.preflight import check_names
+    from launcher.preflight import select_checks
 
-    names = check_names()
-    unknown = [n for n in skip_checks if n not in names]
-    if unknown:
-        from launcher.errors import ConfigError
-        raise ConfigError(f"--skip-check: unknown check(s) {', '.join(unknown)}", fix=f"checks: {', '.join(names)}")
+    select_checks(skip=tuple(skip_checks))     # a usage error (with did-you-mean) on an unknown name
 
 
 def _preflight(cfg, run, step: Step, skip_checks) -> None:

@@ -31,7 +31,8 @@ def check_names(cfg=None) -> list[str]:
     return list(CHECKS)
 
 
-def _select(only=(), skip=()) -> list[str]:
+def select_checks(only=(), skip=()) -> list[str]:
+    """The check names to run; unknown names are a usage error with a did-you-mean."""
     for name in (*only, *skip):
         if name not in CHECKS:
             close = difflib.get_close_matches(name, list(CHECKS), n=1)
@@ -55,7 +56,7 @@ def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None) -> Results:
     from launcher.nodes import nodes_from_config
     from launcher.preflight.gather import gather
 
-    names = _select(only, skip)
+    names = select_checks(only, skip)
     nodes = nodes or nodes_from_config(cfg)
     inputs = required_inputs(cfg) if inputs is None else list(inputs)
     ctx = gather(cfg, nodes, inputs)

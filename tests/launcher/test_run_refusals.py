@@ -29,5 +29,5 @@ def test_steps_that_do_not_exist_yet_are_named(capsys, tmp_path):
 def test_unknown_skip_check_is_a_usage_error(capsys, tmp_path):
     code, err = v4(capsys, "run", "--preset", "smoke", "--hw", "cpu", "--skip-check", "portz",
                    "--set", f"V4_WORK={tmp_path}")
-    assert code == 2 and "unknown check(s) portz" in err
+    assert code == 2 and "unknown preflight check 'portz' (did you mean 'ports'?)" in err
     assert not (tmp_path / "runs").exists()
