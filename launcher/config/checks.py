@@ -24,10 +24,14 @@ class ModelFacts:
     dense_params: int           # every parameter outside the routed experts
     expert_params: int
     bytes_per_param: int        # weight + gradient + optimizer state, as the trainer keeps them
+    ckpt_bytes_per_param: int   # what one training checkpoint stores
 
 
 # bf16 weight + fp32 gradient + fp32 master weight + two fp32 Adam moments; fp32 models: 4 + 4 + 8.
 STATE_BYTES = {"bf16": 18, "fp32": 16}
+# What a training checkpoint holds per parameter: the weight, plus (bf16 models) the fp32 master copy,
+# plus the two fp32 Adam moments. Gradients are not saved.
+CKPT_BYTES = {"bf16": 14, "fp32": 12}
 
 
 def model_facts(cfg: Config) -> ModelFacts:
@@ -45,7 +49,20 @@ def model_facts(cfg: Config) -> ModelFacts:
     expert = sum(math.prod(s) for name, s in shapes.items() if ".experts." in name)
     dense = sum(math.prod(s) for s in shapes.values()) - expert
     return ModelFacts(m.n_layers, m.n_routed_experts, m.n_heads, m.o_groups, dense, expert,
-                      STATE_BYTES.get(m.dtype, 18))
+                      STATE_BYTES.get(m.dtype, 18), CKPT_BYTES.get(m.dtype, 14))
+
+
+def peak_checkpoints(num_steps: int, interval: int, retain: int) -> int:
+    """Most training checkpoints on disk at once: a save happens every `interval` steps and at the last
+    step; after it, only the newest and every `retain`-th one stay."""
+    interval = max(1, interval)
+    saves = sorted({*range(interval, num_steps + 1, interval), num_steps} - {0})
+    kept: list[int] = []
+    peak = 0
+    for it in saves:
+        peak = max(peak, len(kept) + 1)
+        kept = [k for k in kept if retain and k % retain == 0] + [it]
+    return peak
 
 
 def at(cfg: Config, key: str) -> str:
@@ -125,6 +142,14 @@ def derive_and_check(cfg: Config) -> None:
                       f"exceed {at(cfg, 'HW_GPU_MEMORY_GB')}; spread it wider ({at(cfg, 'PRESET_EP')}, "
                       f"{at(cfg, 'PRESET_TP')}, {at(cfg, 'PRESET_PP')}) or shrink it, e.g. "
                       f"--set PRESET_MODEL_OVERRIDES=\"n_routed_experts=8\"; the train step will run out of memory")
+
+    # -- training checkpoints on disk: the previous one stays until the new one is complete ------------
+    ckpt_gb = (m.dense_params + m.expert_params) * m.ckpt_bytes_per_param / 1e9      # GB, as df reports
+    peak = peak_checkpoints(v["PRESET_NUM_STEPS"], v["PRESET_SAVE_INTERVAL"], v["PRESET_SAVE_RETAIN_INTERVAL"])
+    d["CKPT_GB"] = Derived(round(ckpt_gb, 1), f"params x {m.ckpt_bytes_per_param} bytes (weight, fp32 master, Adam)")
+    d["CKPT_PEAK_COUNT"] = Derived(peak, "checkpoints on disk at once: NUM_STEPS, SAVE_INTERVAL, SAVE_RETAIN_INTERVAL "
+                                         "(the latest is kept; the previous one until the next save completes)")
+    d["CKPT_PEAK_GB"] = Derived(round(peak * ckpt_gb, 1), "CKPT_GB * CKPT_PEAK_COUNT (preflight checks V4_WORK's free space)")
 
     # -- checkpoints: the real release (hf) or a generated one per model/overrides/seed -----------
     if v["PRESET_WEIGHTS"] == "generate":

@@ -258,13 +258,30 @@ def _disk(d: dict, what: str) -> tuple[str, str, str]:
         return FAIL, text, f"free space under {d['existing']} or change {what}"
     if used > 0.95:
         return WARN, text, f"free space under {d['existing']}"
-    return PASS, text
+    return PASS, text, ""
 
 
-@check("disk", "free space on V4_WORK and the node-local directory")
+def _checkpoint_room(cfg, d: dict, verdict: tuple[str, str, str]) -> tuple[str, str, str]:
+    """The run's training checkpoints (under V4_OUT, on V4_WORK by default) must fit: a disk that fills
+    on the second save loses the step's work after hours of training."""
+    need = cfg.derived.get("CKPT_PEAK_GB")
+    if need is None or "train" not in cfg["PRESET_STEPS"] or verdict[0] == FAIL or not d["writable"]:
+        return verdict
+    need, n, each = need.value, cfg.derived["CKPT_PEAK_COUNT"].value, cfg.derived["CKPT_GB"].value
+    text = f"{verdict[1]}; training checkpoints need ~{need:.0f} GB ({n} x {each:.1f} GB at once)"
+    if d["free_gb"] >= need:
+        return verdict[0], text, verdict[2]
+    keys = ", ".join(f"{k}={cfg.shown(k)}" for k in ("PRESET_NUM_STEPS", "PRESET_SAVE_INTERVAL", "PRESET_SAVE_RETAIN_INTERVAL"))
+    fix = (f"free space under {d['existing']}, point V4_WORK at a larger disk, or save less often "
+           f"({keys}; e.g. --set PRESET_SAVE_INTERVAL={cfg['PRESET_NUM_STEPS']} keeps one checkpoint)")
+    return FAIL, text, fix
+
+
+@check("disk", "free space on V4_WORK and the node-local directory; room for the run's checkpoints")
 def disk(node, ctx):
     d = ctx.facts[node]["disk"]
     w, l = _disk(d["work"], "V4_WORK"), _disk(d["local"], "V4_LOCAL_DIR")
+    w = _checkpoint_room(ctx.cfg, d["work"], w)
     status = FAIL if FAIL in (w[0], l[0]) else WARN if WARN in (w[0], l[0]) else PASS
     fix = "; ".join(x[2] for x in (w, l) if x[0] != PASS)
     return status, f"{w[1]}; {l[1]}", fix
