@@ -31,6 +31,7 @@ LOG2E = 1.4426950408889634
 HEAD_BLOCK = 64          # heads per CTA: the wgmma M dimension
 FWD_BLOCK = 64           # KV rows per pipeline stage in the forward
 BWD_BLOCK = 32           # KV rows per step in the backward
+BWD_DKV_SPLIT = 4        # dkv leaves through shared memory in this many parts (smem budget; 4 beat 2 by 5%)
 TOPK_MULTIPLE = 2 * FWD_BLOCK   # the forward consumes stages in pairs
 
 # TileLang pass configs, keyed by their string names so they mean the same thing across tilelang
@@ -77,15 +78,15 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     neg_big = -(2.0 ** 30)      # finite "no score yet": keeps (m_prev - m) free of inf - inf
 
     @T.macro
-    def scores_and_pv_l(Idx, N, b, s, i, q_l, q_r, kv_l, kv_r, full, empty, phase, acc_s, m, m_prev, alpha, l, l_blk,
+    def scores_and_pv_l(N, i, q_l, q_r, kv_l, kv_r, mask, full, empty, phase, acc_s, m, m_prev, alpha, l, l_blk,
                         acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_mine):
         # warpgroup 0, block i: scores, online softmax, hand P to warpgroup 1, O_l += P @ V_l
         T.barrier_wait(full, phase)
-        T.clear(acc_s)
-        T.gemm(q_l, kv_l, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.gemm(q_r, kv_r, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         for h, j in T.Parallel(HB, BI):
-            acc_s[h, j] = T.if_then_else((Idx[b, s, i * BI + j] >= 0) & (Idx[b, s, i * BI + j] < N), acc_s[h, j], -T.infinity(f32))
+            acc_s[h, j] = mask[j]                     # 0 or -inf: padding masked before the scores land
+        T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.wait_wgmma(0)
         T.copy(m, m_prev)
         T.reduce_max(acc_s, m, dim=1, clear=False)
         for h in T.Parallel(HB):
@@ -118,12 +119,18 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         T.barrier_arrive(p_empty)
 
     @T.macro
-    def gather(KV, Idx, b, s, tx, row, i, kv_l, kv_r, full, empty, phase):
-        # warpgroup 2: 8 threads per KV row, 16 B each; padded rows are zero-filled, not read
+    def gather(KV, Idx, N, b, s, i, kv_l, kv_r, mask, full, empty, phase):
+        # warpgroup 2: one warp per half row, 16 B a thread. Padded rows are zero-filled by predicated
+        # cp.async, never read (KV[-1] is out of bounds, and stale shared memory may hold NaN bit
+        # patterns that 0 * NaN would spread through P @ V); `mask` tells the consumers which they are.
         T.barrier_wait(empty, phase ^ 1)
+        for j in T.Parallel(BI):
+            mask[j] = T.if_then_else((Idx[b, s, i * BI + j] >= 0) & (Idx[b, s, i * BI + j] < N), 0, -T.infinity(f32))
         for j, d in T.Parallel(BI, D2, annotations={"parallel_prefer_async": True}):
-            kv_l[j, d] = T.if_then_else(Idx[b, s, i * BI + j] >= 0, KV[b, T.max(Idx[b, s, i * BI + j], 0), d], T.cast(0, bf16))
-            kv_r[j, d] = T.if_then_else(Idx[b, s, i * BI + j] >= 0, KV[b, T.max(Idx[b, s, i * BI + j], 0), D2 + d], T.cast(0, bf16))
+            kv_l[j, d] = T.if_then_else((Idx[b, s, i * BI + j] >= 0) & (Idx[b, s, i * BI + j] < N),
+                                        KV[b, T.max(Idx[b, s, i * BI + j], 0), d], T.cast(0, bf16))
+            kv_r[j, d] = T.if_then_else((Idx[b, s, i * BI + j] >= 0) & (Idx[b, s, i * BI + j] < N),
+                                        KV[b, T.max(Idx[b, s, i * BI + j], 0), D2 + d], T.cast(0, bf16))
         # the loop ends with cp.async.wait_all: the rows are in place; publish them to the wgmma readers
         T.fence_proxy_async()
         T.barrier_arrive(full)
@@ -148,6 +155,8 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             kv1_r = T.alloc_shared([BI, D2], bf16)
             p_sh = T.alloc_shared([HB, BI], bf16)
             alpha_sh = T.alloc_shared([HB], f32)
+            mask0 = T.alloc_shared([BI], f32)
+            mask1 = T.alloc_shared([BI], f32)
 
             acc_s = T.alloc_fragment([HB, BI], f32)
             acc_o_l = T.alloc_fragment([HB, D2], f32)
@@ -157,9 +166,8 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             alpha = T.alloc_fragment([HB], f32)
             l = T.alloc_fragment([HB], f32)
             l_blk = T.alloc_fragment([HB], f32)
-            row = T.alloc_local([1], T.int32)
 
-            bar_q = T.alloc_barrier(arrive_count=384)
+            bar_q = T.alloc_barrier(arrive_count=128)
             full0 = T.alloc_barrier(arrive_count=128)
             full1 = T.alloc_barrier(arrive_count=128)
             empty0 = T.alloc_barrier(arrive_count=256)
@@ -169,18 +177,21 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             p_mine = T.alloc_barrier(arrive_count=128)       # warpgroup 0 alone: p_sh complete before its wgmma
 
             tx = T.get_thread_binding()
-            T.copy(Q[b, s, h0:h0 + HB, 0:D2], q_l)
-            T.copy(Q[b, s, h0:h0 + HB, D2:dim], q_r)
-            T.fence_proxy_async()
-            T.barrier_arrive(bar_q)
 
             # setmaxnreg only moves registers inside the CTA's launch allocation (168 x 384): the three
             # warpgroups' targets must sum to at most 504 a thread, or an increase waits forever.
             if tx >= 256:                                     # producer
                 T.set_max_nreg(64, 0)
+                # Q by the producer alone: 64 x 512 over 384 threads does not split into 16-byte vectors,
+                # and the scalar loads that result cost more than all the attention math (measured: 2.5x)
+                for h, d in T.Parallel(HB, D2, annotations={"parallel_prefer_async": True}):
+                    q_l[h, d] = Q[b, s, h0 + h, d]
+                    q_r[h, d] = Q[b, s, h0 + h, D2 + d]
+                T.fence_proxy_async()
+                T.barrier_arrive(bar_q)
                 for k in T.serial(n_pairs):
-                    gather(KV, Idx, b, s, tx, row, 2 * k, kv0_l, kv0_r, full0, empty0, k & 1)
-                    gather(KV, Idx, b, s, tx, row, 2 * k + 1, kv1_l, kv1_r, full1, empty1, k & 1)
+                    gather(KV, Idx, N, b, s, 2 * k, kv0_l, kv0_r, mask0, full0, empty0, k & 1)
+                    gather(KV, Idx, N, b, s, 2 * k + 1, kv1_l, kv1_r, mask1, full1, empty1, k & 1)
             elif tx < 128:
                 T.set_max_nreg(240, 1)
                 T.fill(m, neg_big)
@@ -188,9 +199,9 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                 T.fill(acc_o_l, 0)
                 T.barrier_wait(bar_q, 0)
                 for k in T.serial(n_pairs):
-                    scores_and_pv_l(Idx, N, b, s, 2 * k, q_l, q_r, kv0_l, kv0_r, full0, empty0, k & 1,
+                    scores_and_pv_l(N, 2 * k, q_l, q_r, kv0_l, kv0_r, mask0, full0, empty0, k & 1,
                                     acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_mine)
-                    scores_and_pv_l(Idx, N, b, s, 2 * k + 1, q_l, q_r, kv1_l, kv1_r, full1, empty1, k & 1,
+                    scores_and_pv_l(N, 2 * k + 1, q_l, q_r, kv1_l, kv1_r, mask1, full1, empty1, k & 1,
                                     acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_mine)
                 # fold in the sink: M = max(m, sink) keeps rows with no valid slot finite
                 for h in T.Parallel(HB):
@@ -225,14 +236,16 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 
 
 def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
-    """Backward PrimFunc: (Q, KV, dO, Idx, Lse2[B,S,H] f32, Delta[B,S,H] f32, dKV[B,N,D] f32 accumulated
-    in place) -> dQ[B,S,H,D] bf16. One CTA per (query, 64-head block), 256 threads, BWD_BLOCK rows a
-    step. dKV rows are added with fp32 atomics (a KV row is shared by many queries)."""
+    """Backward PrimFunc: (Q, KV, O, dO, Idx, Lse2[B,S,H] f32, dKV[B,N,D] f32 accumulated in place)
+    -> (dQ[B,S,H,D] bf16, Delta[B,S,H] f32 = sum_d O*dO). One CTA per (query, 64-head block), 256
+    threads, BWD_BLOCK rows a step. dKV rows are added with fp32 atomics (a KV row is shared by many
+    queries). Delta is computed here, from the dO tile already in shared memory, rather than by a
+    separate pass over O and dO in fp32 (which cost a quarter of the backward's time)."""
     import tilelang.language as T
 
     assert heads % HEAD_BLOCK == 0 and dim % 128 == 0 and topk % BWD_BLOCK == 0
     B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
-    HB, BS = HEAD_BLOCK, BWD_BLOCK
+    HB, BS, SPLIT, DC = HEAD_BLOCK, BWD_BLOCK, BWD_DKV_SPLIT, 128
     rep = heads // HB
     scale2 = sm_scale * LOG2E
     bf16, f32 = T.bfloat16, T.float32
@@ -241,12 +254,13 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     def sparse_attn_bwd(
         Q: T.Tensor([B, S, heads, dim], bf16),
         KV: T.Tensor([B, N, dim], bf16),
+        O: T.Tensor([B, S, heads, dim], bf16),
         dO: T.Tensor([B, S, heads, dim], bf16),
         Idx: T.Tensor([B, S, topk], T.int32),
         Lse: T.Tensor([B, S, heads], f32),
-        Delta: T.Tensor([B, S, heads], f32),
         dKV: T.Tensor([B, N, dim], f32),
         dQ: T.Tensor([B, S, heads, dim], bf16),
+        Delta: T.Tensor([B, S, heads], f32),
     ):
         with T.Kernel(S * rep, B, threads=256) as (bx, b):
             s = bx // rep
@@ -256,38 +270,53 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             kv_sh = T.alloc_shared([BS, dim], bf16)
             p_sh = T.alloc_shared([HB, BS], bf16)
             ds_sh = T.alloc_shared([HB, BS], bf16)
-            dkv_sh = T.alloc_shared([BS // 2, dim], f32)     # half a block at a time: fits next to Q and dO
+            dkv_sh = T.alloc_shared([BS // SPLIT, dim], f32)  # a part of the block at a time: fits next to Q and dO
             acc_p = T.alloc_fragment([HB, BS], f32)
             acc_dp = T.alloc_fragment([HB, BS], f32)
             acc_dq = T.alloc_fragment([HB, dim], f32)
             acc_dkv = T.alloc_fragment([BS, dim], f32)
+            od = T.alloc_fragment([HB, DC], f32)
+            od_sum = T.alloc_fragment([HB], f32)
+            lse_sh = T.alloc_shared([HB], f32)
+            delta_sh = T.alloc_shared([HB], f32)
 
             T.copy(Q[b, s, h0:h0 + HB, :], q_sh)
             T.copy(dO[b, s, h0:h0 + HB, :], do_sh)
+            for h in T.Parallel(HB):
+                lse_sh[h] = Lse[b, s, h0 + h]
+                delta_sh[h] = 0
+            for c in T.serial(dim // DC):          # Delta = rowsum(O * dO) in fp32, DC columns at a time
+                for h, d in T.Parallel(HB, DC):
+                    od[h, d] = T.cast(O[b, s, h0 + h, c * DC + d], f32) * T.cast(do_sh[h, c * DC + d], f32)
+                T.reduce_sum(od, od_sum, dim=1)
+                for h in T.Parallel(HB):
+                    delta_sh[h] += od_sum[h]
+            for h in T.Parallel(HB):
+                Delta[b, s, h0 + h] = delta_sh[h]
             T.clear(acc_dq)
-            for i in T.Pipelined(topk // BS, num_stages=0):
+            for i in T.Pipelined(topk // BS, num_stages=0):    # 2 stages measured no faster
                 for j, d in T.Parallel(BS, dim):
                     kv_sh[j, d] = T.if_then_else((Idx[b, s, i * BS + j] >= 0) & (Idx[b, s, i * BS + j] < N),
                                                  KV[b, T.max(Idx[b, s, i * BS + j], 0), d], T.cast(0, bf16))
                 T.gemm(q_sh, kv_sh, acc_p, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 for h, j in T.Parallel(HB, BS):
                     acc_p[h, j] = T.if_then_else((Idx[b, s, i * BS + j] >= 0) & (Idx[b, s, i * BS + j] < N),
-                                                 T.exp2(acc_p[h, j] * scale2 - Lse[b, s, h0 + h]), 0)
+                                                 T.exp2(acc_p[h, j] * scale2 - lse_sh[h]), 0)
                 T.gemm(do_sh, kv_sh, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 for h, j in T.Parallel(HB, BS):
-                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - Delta[b, s, h0 + h]) * sm_scale
+                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_sh[h]) * sm_scale
                 T.copy(acc_p, p_sh)
                 T.copy(acc_dp, ds_sh)
                 T.gemm(ds_sh, kv_sh, acc_dq, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(ds_sh, q_sh, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(p_sh, do_sh, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                for half in T.unroll(2):
+                for part in T.unroll(SPLIT):
                     for j, d in T.Parallel(BS, dim):
-                        if j // (BS // 2) == half:
-                            dkv_sh[j % (BS // 2), d] = acc_dkv[j, d]
-                    for j, d4 in T.Parallel(BS // 2, dim // 4):
-                        if (Idx[b, s, i * BS + half * (BS // 2) + j] >= 0) & (Idx[b, s, i * BS + half * (BS // 2) + j] < N):
-                            T.atomic_addx4(dKV[b, Idx[b, s, i * BS + half * (BS // 2) + j], d4 * 4], dkv_sh[j, d4 * 4])
+                        if j // (BS // SPLIT) == part:
+                            dkv_sh[j % (BS // SPLIT), d] = acc_dkv[j, d]
+                    for j, d4 in T.Parallel(BS // SPLIT, dim // 4):
+                        if (Idx[b, s, i * BS + part * (BS // SPLIT) + j] >= 0) & (Idx[b, s, i * BS + part * (BS // SPLIT) + j] < N):
+                            T.atomic_addx4(dKV[b, Idx[b, s, i * BS + part * (BS // SPLIT) + j], d4 * 4], dkv_sh[j, d4 * 4])
             T.copy(acc_dq, dQ[b, s, h0:h0 + HB, :])
 
     return sparse_attn_bwd
@@ -300,7 +329,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 @functools.lru_cache(maxsize=None)
 def _compile(kind: str, heads: int, dim: int, topk: int, sm_scale: float, cfg: tuple):
     from . import tilelang_compile
-    program, out_idx = {"fwd": (fwd_program, [4, 5]), "bwd": (bwd_program, [7])}[kind]
+    program, out_idx = {"fwd": (fwd_program, [4, 5]), "bwd": (bwd_program, [7, 8])}[kind]
     return tilelang_compile(program(heads, dim, topk, sm_scale), out_idx, dict(cfg))
 
 
@@ -345,9 +374,8 @@ def _fwd(qp, kvb, sink, idx, sm_scale, pass_configs=None):
 def _bwd(qp, kvb, sink, idx, o, lse2, dop, sm_scale, pass_configs=None):
     """Returns dq (bf16, padded heads), dkv (fp32), dsink (fp32, padded heads)."""
     _, _, Hp, D = qp.shape
-    delta = torch.einsum("bshd,bshd->bsh", o.float(), dop.float()).contiguous()
     dkv = torch.zeros(kvb.shape, dtype=torch.float32, device=kvb.device)
-    dq = bwd_kernel(Hp, D, idx.shape[-1], sm_scale, pass_configs)(qp, kvb, dop, idx, lse2, delta, dkv)
+    dq, delta = bwd_kernel(Hp, D, idx.shape[-1], sm_scale, pass_configs)(qp, kvb, o, dop, idx, lse2, dkv)
     dsink = -(delta * torch.exp2(sink * LOG2E - lse2)).sum((0, 1))
     return dq, dkv, dsink
 
