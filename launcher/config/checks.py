@@ -24,14 +24,15 @@ class ModelFacts:
     dense_params: int           # every parameter outside the routed experts
     expert_params: int
     bytes_per_param: int        # weight + gradient + optimizer state, as the trainer keeps them
-    ckpt_bytes_per_param: int   # what one training checkpoint stores
+    ckpt_bytes: int             # one training checkpoint: every weight, optimizer state of the trained ones
 
 
 # bf16 weight + fp32 gradient + fp32 master weight + two fp32 Adam moments; fp32 models: 4 + 4 + 8.
 STATE_BYTES = {"bf16": 18, "fp32": 16}
-# What a training checkpoint holds per parameter: the weight, plus (bf16 models) the fp32 master copy,
-# plus the two fp32 Adam moments. Gradients are not saved.
-CKPT_BYTES = {"bf16": 14, "fp32": 12}
+# A training checkpoint holds every weight (2 or 4 bytes) and, for each parameter that receives a
+# gradient, the fp32 master copy (bf16 models) and the two fp32 Adam moments. Gradients are not saved.
+WEIGHT_BYTES = {"bf16": 2, "fp32": 4}
+OPTIMIZER_BYTES = {"bf16": 12, "fp32": 8}
 
 
 def model_facts(cfg: Config) -> ModelFacts:
@@ -47,9 +48,15 @@ def model_facts(cfg: Config) -> ModelFacts:
                           fix="PRESET_MODEL is one of tiny, 4layer, flash, pro; overrides are field=value") from None
     shapes = m.param_shapes()
     expert = sum(math.prod(s) for name, s in shapes.items() if ".experts." in name)
-    dense = sum(math.prod(s) for s in shapes.values()) - expert
-    return ModelFacts(m.n_layers, m.n_routed_experts, m.n_heads, m.o_groups, dense, expert,
-                      STATE_BYTES.get(m.dtype, 18), CKPT_BYTES.get(m.dtype, 14))
+    total = sum(math.prod(s) for s in shapes.values())
+    # Without their loss terms the MTP blocks and the indexers get no gradient, hence no Adam state
+    # (measured: the H200 smoke checkpoint is 32 GiB, not the 36 GiB that optimizer state for all would be).
+    untrained = sum(math.prod(s) for name, s in shapes.items()
+                    if (name.startswith("mtp.") and not cfg["PRESET_MTP_LOSS_COEFF"])
+                    or (".indexer." in name and not m.indexer_loss_coeff))
+    ckpt = total * WEIGHT_BYTES.get(m.dtype, 2) + (total - untrained) * OPTIMIZER_BYTES.get(m.dtype, 12)
+    return ModelFacts(m.n_layers, m.n_routed_experts, m.n_heads, m.o_groups, total - expert, expert,
+                      STATE_BYTES.get(m.dtype, 18), ckpt)
 
 
 def peak_checkpoints(num_steps: int, interval: int, retain: int) -> int:
@@ -144,12 +151,13 @@ def derive_and_check(cfg: Config) -> None:
                       f"--set PRESET_MODEL_OVERRIDES=\"n_routed_experts=8\"; the train step will run out of memory")
 
     # -- training checkpoints on disk: the previous one stays until the new one is complete ------------
-    ckpt_gb = (m.dense_params + m.expert_params) * m.ckpt_bytes_per_param / 1e9      # GB, as df reports
+    ckpt_gb = m.ckpt_bytes / 1e9                                                      # GB, as df reports
     peak = peak_checkpoints(v["PRESET_NUM_STEPS"], v["PRESET_SAVE_INTERVAL"], v["PRESET_SAVE_RETAIN_INTERVAL"])
-    d["CKPT_GB"] = Derived(round(ckpt_gb, 1), f"params x {m.ckpt_bytes_per_param} bytes (weight, fp32 master, Adam)")
+    d["CKPT_GB"] = Derived(round(ckpt_gb, 2), "every weight + fp32 master (bf16) and Adam moments of the params "
+                                              "that get gradients (not MTP/indexer without their loss)")
     d["CKPT_PEAK_COUNT"] = Derived(peak, "checkpoints on disk at once: NUM_STEPS, SAVE_INTERVAL, SAVE_RETAIN_INTERVAL "
                                          "(the latest is kept; the previous one until the next save completes)")
-    d["CKPT_PEAK_GB"] = Derived(round(peak * ckpt_gb, 1), "CKPT_GB * CKPT_PEAK_COUNT (preflight checks V4_WORK's free space)")
+    d["CKPT_PEAK_GB"] = Derived(round(peak * ckpt_gb, 2), "CKPT_GB * CKPT_PEAK_COUNT (preflight checks V4_WORK's free space)")
 
     # -- checkpoints: the real release (hf) or a generated one per model/overrides/seed -----------
     if v["PRESET_WEIGHTS"] == "generate":
