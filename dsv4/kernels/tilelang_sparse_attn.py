@@ -7,8 +7,8 @@ the K rows `kv[b, topk_idxs[b, t, :]]` (-1 = padding). Per head h, with s_j = sc
     lse_h = log(sum_j exp(s_j) + exp(sink_h))        (natural log, sink included)
 
 Kernels work in base 2 (exp2/log2, scores pre-multiplied by log2 e): `lse2 = lse / ln 2`.
-Padded slots are masked at the LOAD (their shared-memory rows are zero-filled by predicated cp.async,
-so KV[-1] is never read) and at the score (-inf). A row whose slots are all padding gives o = 0,
+Padded slots (-1, or any index outside [0, N)) are masked at the LOAD (their shared-memory rows are
+zero-filled by predicated cp.async, so KV is never read out of bounds) and at the score (-inf). A row whose slots are all padding gives o = 0,
 finite lse (= sink) and zero gradients.
 
 Backward (per query, per head block; K = V = kv so dkv gets both contributions):
@@ -60,7 +60,8 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     """Forward PrimFunc: (Q[B,S,H,D] bf16, KV[B,N,D] bf16, Idx[B,S,topk] i32, Sink[H] f32)
     -> (O[B,S,H,D] bf16, Lse2[B,S,H] f32). B, S, N are dynamic.
 
-    Warp-specialized, 384 threads: warpgroup 2 gathers KV rows (predicated cp.async, two stages);
+    Warp-specialized, 384 threads: warpgroup 2 loads Q, then gathers KV rows (predicated cp.async,
+    two stages) and their padding masks;
     warpgroup 0 computes scores over all of D, the online softmax and O[:, :D/2]; warpgroup 1
     computes O[:, D/2:] from the probabilities warpgroup 0 leaves in shared memory. Splitting O keeps
     each accumulator at 64 x D/2 fp32 (128 registers a thread at D = 512)."""
