@@ -153,11 +153,11 @@ def derive_and_check(cfg: Config) -> None:
     # -- training checkpoints on disk: the previous one stays until the new one is complete ------------
     ckpt_gb = m.ckpt_bytes / 1e9                                                      # GB, as df reports
     peak = peak_checkpoints(v["PRESET_NUM_STEPS"], v["PRESET_SAVE_INTERVAL"], v["PRESET_SAVE_RETAIN_INTERVAL"])
-    d["CKPT_GB"] = Derived(round(ckpt_gb, 2), "every weight + fp32 master (bf16) and Adam moments of the params "
+    d["CKPT_GB"] = Derived(float(f"{ckpt_gb:.3g}"), "every weight + fp32 master (bf16) and Adam moments of the params "
                                               "that get gradients (not MTP/indexer without their loss)")
     d["CKPT_PEAK_COUNT"] = Derived(peak, "checkpoints on disk at once: NUM_STEPS, SAVE_INTERVAL, SAVE_RETAIN_INTERVAL "
                                          "(the latest is kept; the previous one until the next save completes)")
-    d["CKPT_PEAK_GB"] = Derived(round(peak * ckpt_gb, 2), "CKPT_GB * CKPT_PEAK_COUNT (preflight checks V4_WORK's free space)")
+    d["CKPT_PEAK_GB"] = Derived(float(f"{peak * ckpt_gb:.3g}"), "CKPT_GB * CKPT_PEAK_COUNT (preflight checks V4_WORK's free space)")
 
     # -- checkpoints: the real release (hf) or a generated one per model/overrides/seed -----------
     if v["PRESET_WEIGHTS"] == "generate":

@@ -268,7 +268,8 @@ def _checkpoint_room(cfg, d: dict, verdict: tuple[str, str, str]) -> tuple[str, 
     if need is None or "train" not in cfg["PRESET_STEPS"] or verdict[0] == FAIL or not d["writable"]:
         return verdict
     need, n, each = need.value, cfg.derived["CKPT_PEAK_COUNT"].value, cfg.derived["CKPT_GB"].value
-    text = f"{verdict[1]}; training checkpoints need ~{need:.0f} GB ({n} x {each:.1f} GB at once)"
+    gb = lambda x: f"{x:.1f} GB" if x >= 1 else f"{x:.2g} GB"
+    text = f"{verdict[1]}; training checkpoints need ~{gb(need)} ({n} x {gb(each)} at once)"
     if d["free_gb"] >= need:
         return verdict[0], text, verdict[2]
     keys = ", ".join(f"{k}={cfg.shown(k)}" for k in ("PRESET_NUM_STEPS", "PRESET_SAVE_INTERVAL", "PRESET_SAVE_RETAIN_INTERVAL"))

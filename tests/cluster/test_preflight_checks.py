@@ -152,7 +152,7 @@ def test_disk_room_for_checkpoints():
                             sets=tuple(f"{k}={v}" for k, v in smoke.items())))
     assert 33 < cfg["CKPT_GB"] < 36 and cfg["CKPT_PEAK_COUNT"] == 2
     r = one("disk", cfg, facts())
-    assert r.status == "FAIL" and "2 x 34.5" in r.detail and "PRESET_SAVE_INTERVAL=6" in r.fix, r
+    assert r.status == "FAIL" and "need ~69.0 GB (2 x 34.5 GB at once)" in r.detail and "PRESET_SAVE_INTERVAL=6" in r.fix, r
     once = resolve(Selection(preset="smoke", cluster="h200_template", hw="h200",
                              sets=tuple(f"{k}={v}" for k, v in {**smoke, "PRESET_SAVE_INTERVAL": 6}.items())))
     r = one("disk", once, facts())
