@@ -32,6 +32,7 @@ import torch
 
 from dsv4 import quant
 from dsv4.config import ModelConfig
+from dsv4.fileio import atomic_write
 
 INDEX = "model.safetensors.index.json"
 PLAN = ".dequantize-plan.json"
@@ -197,10 +198,13 @@ def read_header(path: str | Path) -> tuple[dict, int]:
 
 
 class ShardWriter:
-    """Streams tensors into one safetensors file whose header (names, dtypes, shapes) is fixed up front."""
+    """Streams tensors into one safetensors file whose header (names, dtypes, shapes) is fixed up front.
+    As a context manager it writes `path`.tmp and renames it to `path` only when every tensor arrived,
+    so a shard under its final name is always complete."""
 
     def __init__(self, path: str | Path, entries: list[tuple[str, str, tuple[int, ...]]]):
-        self.path, self.entries, self.next = Path(path), entries, 0
+        self.final = Path(path)
+        self.path, self.entries, self.next = self.final.with_name(self.final.name + ".tmp"), entries, 0
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name, dtype, shape in entries:
             n = _nbytes(dtype, shape)
@@ -227,8 +231,15 @@ class ShardWriter:
         os.fsync(self.f.fileno())
         self.f.close()
 
-    def abort(self) -> None:
-        self.f.close()
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.f.close()            # the .tmp stays behind; a rerun rewrites it
+            return
+        self.close()
+        os.replace(self.path, self.final)
 
 
 def _shard_is_complete(path: Path, entries: list) -> bool:
@@ -250,14 +261,8 @@ def _shard_is_complete(path: Path, entries: list) -> bool:
     return path.stat().st_size == data_start + end
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _write_index(directory: Path, weight_map: dict[str, str], total: int) -> None:
-    _atomic_write_text(directory / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+    atomic_write(directory / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                      indent=1) + "\n")
 
 
@@ -316,9 +321,7 @@ def generate_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int | None 
     weight_map, done = {}, 0
     for i, params in enumerate(groups):
         fname = shard_file_name(i, len(groups))
-        tmp = out / (fname + ".tmp")
-        writer = ShardWriter(tmp, [e for p in params for e in by_param[p]])
-        try:
+        with ShardWriter(out / fname, [e for p in params for e in by_param[p]]) as writer:
             for p in params:
                 for name, t in _to_release(p, init_param(p, shapes[p], cfg, cfg.seed), cfg):
                     writer.write(name, t)
@@ -326,18 +329,13 @@ def generate_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int | None 
                     done += t.numel() * t.element_size()
                 if progress:
                     progress(done, total, p)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        os.replace(tmp, out / fname)
     _write_index(out, weight_map, total)
 
     tok = Tokenizer()
     tok.save(out)
     hf = cfg.to_hf_config()
     hf.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-    _atomic_write_text(out / "config.json", json.dumps(hf, indent=1) + "\n")
+    atomic_write(out / "config.json", json.dumps(hf, indent=1) + "\n")
     encoder = Path(__file__).with_name("encoding.py")
     if encoder.is_file():  # the released checkpoints carry their chat encoder as encoding/encoding_dsv4.py
         (out / "encoding").mkdir(exist_ok=True)
@@ -525,7 +523,7 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
                                   "or choose another destination")
     dst.mkdir(parents=True, exist_ok=True)
     if not plan_path.is_file() or force:
-        _atomic_write_text(plan_path, json.dumps(plan) + "\n")
+        atomic_write(plan_path, json.dumps(plan) + "\n")
 
     # ---- convert shard by shard
     reader, weight_map = _Reader(), {}
@@ -544,9 +542,7 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
             if progress:
                 progress(done, bytes_out, f"(already complete) {shard['file']}")
             continue
-        tmp = dst / (shard["file"] + ".tmp")
-        writer = ShardWriter(tmp, entries)
-        try:
+        with ShardWriter(final, entries) as writer:
             for p, (n, dtype, shape) in zip(params, entries):
                 t = _dequantize_param(p, formats[p], tensors, raw_name, reader)
                 if tuple(t.shape) != shape:
@@ -555,18 +551,13 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
                 done += _nbytes(dtype, shape)
                 if progress:
                     progress(done, bytes_out, n)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        os.replace(tmp, final)
         written += 1
 
     # ---- side files, then the index (its presence marks a finished conversion)
     out_cfg = dict(hf_cfg)
     out_cfg.pop("quantization_config", None)
     out_cfg.update(torch_dtype="bfloat16", expert_dtype="bfloat16")
-    _atomic_write_text(dst / "config.json", json.dumps(out_cfg, indent=1) + "\n")
+    atomic_write(dst / "config.json", json.dumps(out_cfg, indent=1) + "\n")
     for p in src.iterdir():
         if p.is_file() and p.suffix in (".json", ".py", ".md", ".txt", ".jinja", ".model") \
                 and p.name not in ("config.json", INDEX):

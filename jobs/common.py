@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsv4.fileio import atomic_write
+
 SENTINEL = ".v4-done.json"
 
 
@@ -114,11 +116,8 @@ def done(artifact: Path, inputs: dict | None = None) -> bool:
 
 
 def mark_done(artifact: Path, inputs: dict | None = None, **info) -> None:
-    p = sentinel_path(artifact)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps({"inputs": _jsonable(inputs or {}), "finished": time.time(), **info}, indent=2))
-    tmp.replace(p)
+    atomic_write(sentinel_path(artifact), json.dumps({"inputs": _jsonable(inputs or {}), "finished": time.time(), **info},
+                                                      indent=2))
 
 
 def fingerprint(path: Path) -> str:

@@ -13,6 +13,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dsv4.fileio import atomic_write
+
 RELOAD_CHECK = "steps/train/reload_check.json"
 
 
@@ -118,7 +120,4 @@ def record_pass(cfg, stage: str, run_id: str, results: list[GateResult]) -> None
     data.setdefault(stage_key(cfg), {})[stage] = {
         "run_id": run_id, "passed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "gates": [asdict(r) for r in results]}
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(p)
+    atomic_write(p, json.dumps(data, indent=2))

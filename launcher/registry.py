@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from dsv4.fileio import atomic_write  # noqa: F401  (re-exported: launcher code writes through it)
 from launcher.errors import ConfigError
 
 RUN_ID_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*?)-(?P<ts>\d{8}-\d{6})-(?P<rand>[0-9a-f]{4})$")
@@ -37,22 +38,6 @@ ENV_PREFIXES = ("V4_", "HW_", "PRESET_", "NCCL_", "GLOO_", "CUDA_", "NVIDIA_", "
 
 def new_run_id(prefix: str = "run") -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
-
-def atomic_write(path: Path, text: str, private: bool = False) -> None:
-    """Write `text` so that readers see the old file or the new one, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _jsonable(obj: Any) -> Any:

@@ -20,9 +20,8 @@ import os
 import resource
 import shutil
 import signal
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from dsv4.config import ModelConfig
+from dsv4.fileio import atomic_write
 from dsv4.megatron import cpu_shim
 from dsv4.megatron.model import DSV4Stage, Objective, model_provider
-from dsv4.megatron.parallel import Layout, Ranks, init_parallel, shard_index
+from dsv4.megatron.parallel import Layout, Ranks, shard_index
 
 EXIT_NONFINITE = 16
 LATEST = "latest_checkpointed_iteration.txt"
@@ -522,7 +522,7 @@ class Trainer:
         dist_checkpointing.save(state, str(path))
         dist.barrier()
         if self.ranks.rank == 0:
-            _atomic_write(Path(root) / LATEST, str(it))
+            atomic_write(Path(root) / LATEST, str(it))
             self._prune(Path(root), it)
         dist.barrier()
         return path
@@ -570,12 +570,6 @@ class Trainer:
     def close(self) -> None:
         for h in self.monitor.handles:
             h.remove()
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -671,7 +665,7 @@ def _stop_nonfinite(trainer: Trainer, res: StepResult, out: Outputs, say) -> int
         f"on rank {info['rank']}; stopping with exit code {EXIT_NONFINITE}")
     if trainer.ranks.rank == 0 and out.nonfinite is not None:
         out.nonfinite.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out.nonfinite, json.dumps(info, indent=2, default=str))
+        atomic_write(out.nonfinite, json.dumps(info, indent=2, default=str))
     dist.barrier()
     return EXIT_NONFINITE
 
@@ -705,7 +699,7 @@ def reload_check(trainer: Trainer, tc: TrainConfig, ckpt: Path, batch: dict, out
         f"after update {a_after!r} vs {b_after!r} -> {'identical' if result['identical'] else 'DIFFERENT'}")
     if fresh.ranks.rank == 0:
         out.reload_check.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out.reload_check, json.dumps(result, indent=2))
+        atomic_write(out.reload_check, json.dumps(result, indent=2))
     fresh.close()
     dist.barrier()
     return 0
