@@ -77,21 +77,30 @@ def reload_equal(rows, run_dir, cfg) -> GateResult:
                                           + ("" if ok else f" (diff {abs(a - b) if _finite(a) and _finite(b) else 'n/a'})"))
 
 
+def _nonfinite_steps(rows, key: str) -> list:
+    # max() and median() skip a NaN that is not first (every comparison with it is False): test each value
+    return [r["step"] for r in rows if not _finite(r.get(key))]
+
+
 def peak_memory(rows, run_dir, cfg) -> GateResult:
     budget = cfg["HW_PEAK_MEM_BUDGET_GB"]
-    peak = max((r.get("peak_mem_gb") or 0.0) for r in rows)
+    if bad := _nonfinite_steps(rows, "peak_mem_gb"):
+        return GateResult("peak_memory", False, f"no finite peak memory at step(s) {bad[:10]}")
+    peak = max(r["peak_mem_gb"] for r in rows)
     if not budget:
         return GateResult("peak_memory", True, f"peak {peak:.1f} GB (no budget set on this hardware)")
-    return GateResult("peak_memory", _finite(peak) and peak <= budget, f"peak {peak:.1f} GB vs budget {budget:.1f} GB")
+    return GateResult("peak_memory", peak <= budget, f"peak {peak:.1f} GB vs budget {budget:.1f} GB")
 
 
 def step_time(rows, run_dir, cfg) -> GateResult:
     budget = cfg["HW_STEP_TIME_BUDGET_S"]
+    if bad := _nonfinite_steps(rows, "step_time_s"):
+        return GateResult("step_time", False, f"no finite step time at step(s) {bad[:10]}")
     steady = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]  # the first step pays for JIT
     median = statistics.median(steady)
     if not budget:
         return GateResult("step_time", True, f"median step {median:.2f} s (no budget set on this hardware)")
-    return GateResult("step_time", _finite(median) and median <= budget,
+    return GateResult("step_time", median <= budget,
                       f"median steady step {median:.2f} s vs budget {budget:.1f} s")
 
 

@@ -57,6 +57,18 @@ def test_budgets(tmp_path):
     assert not res["peak_memory"].passed and not res["step_time"].passed
 
 
+def test_budget_gates_fail_on_a_nan_anywhere(tmp_path):
+    """max()/median() would skip a NaN that is not the first value; the gates must not."""
+    run = write_run(tmp_path, [5.0, 4.0, 3.0])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows[2]["peak_mem_gb"] = rows[1]["step_time_s"] = float("nan")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for budgets in ({}, {"HW_PEAK_MEM_BUDGET_GB": 8, "HW_STEP_TIME_BUDGET_S": 10}):
+        res = by_name(evaluate(["peak_memory", "step_time"], run, cfg(tmp_path, **budgets)))
+        assert not res["peak_memory"].passed and "step(s) [3]" in res["peak_memory"].detail, res
+        assert not res["step_time"].passed and "step(s) [2]" in res["step_time"].detail, res
+
+
 def test_no_metrics_fails(tmp_path):
     (tmp_path / "empty").mkdir()
     assert not evaluate(["finite_loss"], tmp_path / "empty", cfg(tmp_path))[0].passed
