@@ -75,7 +75,7 @@ def test_head_and_worker_flags(container_cfg):
     assert "ray.scripts.scripts stop --force" in cluster.cluster_commands(cfg, force=True)[0].stop
     assert "python3 -m ray.scripts.scripts start" in head.start and "export PATH" not in head.start
     assert w.local_dir == cfg["V4_LOCAL_DIR"].replace("{node_ip}", ip1)
-    assert w.state_dir == f"{w.local_dir}/ray{cfg['V4_RAY_PORT']}" and f'--temp-dir="$STATE"' in w.start
+    assert w.state_dir == f"{w.local_dir}/ray{cfg['V4_RAY_PORT']}" and '--temp-dir="$STATE"' in w.start
     # the plan shows the commands without the embedded node script
     shown = "\n".join(head.display())
     assert "<launcher/node_scripts/ray_procs.py>" in shown and "def marked" not in shown

@@ -3,7 +3,6 @@
 Every comparison asserts finiteness first and then |got - ref| <= tol * |ref| + atol in the 2-norm, with
 no denominator that could be skipped: a NaN anywhere fails the test."""
 import importlib.util
-import math
 
 import pytest
 import torch

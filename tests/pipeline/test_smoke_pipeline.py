@@ -8,8 +8,6 @@ and only re-train, which is what a user re-running a command gets too.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
