@@ -104,7 +104,7 @@ default_if = None
 try:
     for line in open("/proc/net/route").read().splitlines()[1:]:
         f = line.split()
-        if f[1] == "00000000" and int(f[3], 16) & 2:     # destination 0.0.0.0 via a gateway
+        if f[1] == "00000000":     # destination 0.0.0.0: the same rule as the Ray start script and jobs.common
             default_if = f[0]
             break
 except OSError:
