@@ -75,7 +75,9 @@ def test_work_not_shared_on_one_host(netns_cluster, netns_cfg, tmp_path):
 def test_taken_port_on_the_head(netns_cluster, netns_cfg):
     c, h = netns_cluster, netns_cluster.hosts[0]
     port = int(netns_cfg["V4_DASHBOARD_PORT"])
-    code = (f"import socket, time; s = socket.socket(); s.bind(('{h.ip}', {port})); s.listen(); "
+    # SO_REUSEADDR: the Ray tests before this one leave the head's dashboard port in TIME_WAIT.
+    code = (f"import socket, time; s = socket.socket(); "
+            f"s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('{h.ip}', {port})); s.listen(); "
             "print('listening', flush=True); time.sleep(600)")
     p = c.in_ns(h, sys.executable, "-c", code, stdout=subprocess.PIPE, text=True)
     try:
