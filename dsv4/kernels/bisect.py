@@ -6,7 +6,8 @@ compiled with a set C of them; the empty set means TileLang's defaults. A *trial
 under a subset of C, runs it on seeded inputs of one shape and compares every output with the
 pure-torch reference: non-finite anywhere, or a relative 2-norm error above `tol`, fails the trial.
 
-1. C must fail (else: "not reproduced") and the empty set must pass (else the fault is not a setting).
+1. C must fail (else: "not reproduced") and the empty set must pass (else the fault is not a setting);
+   both must build (a compile error is no evidence, and is reported as such).
 2. Delta debugging (Zeller's ddmin) shrinks C to a 1-minimal failing subset: removing any one of its
    settings makes the failure disappear. That subset is the culprit.
 3. A shape sweep runs the culprit at smaller shapes and names the smallest failing one.
@@ -303,7 +304,12 @@ def bisect(kernel: str, shape: Shape, settings: dict, *, source: str | None = No
         log(f"bisect {kernel} at {shape}: {len(settings)} settings")
         full, base = trial(settings, shape), trial({}, shape)
         culprit, note, sweep, smallest = None, "", [], None
-        if full.failed and not base.failed:
+        broken = next((t for t in (base, full) if t.verdict == "error"), None)
+        if broken is not None:          # a build error is no evidence either way: say so, do not bisect
+            note = (f"the kernel does not build under {_fmt(broken.settings)} with this TileLang ({broken.detail}): "
+                    "nothing to bisect. The built-in kernels need tilelang>=0.1.11; to chase a bug of an "
+                    "older TileLang, bisect a kernel that builds there (--source/--reference)")
+        elif full.failed and not base.failed:
             keys = ddmin(list(settings), lambda ks: trial({k: settings[k] for k in ks}, shape).failed)
             culprit = {k: settings[k] for k in keys}
             note = " ".join(KNOWN_ISSUES.get(k, "") for k in culprit).strip()

@@ -30,8 +30,8 @@ import torch
 LOG2E = 1.4426950408889634
 HEAD_BLOCK = 64          # heads per CTA: the wgmma M dimension
 FWD_BLOCK = 64           # KV rows per pipeline stage in the forward
-BWD_BLOCK = 32           # KV rows per step in the backward
-BWD_DKV_SPLIT = 4        # dkv leaves through shared memory in this many parts (smem budget; 4 beat 2 by 5%)
+BWD_BLOCK = 64           # KV rows per step in the backward: the dkv GEMMs' M (wgmma needs 64)
+BWD_DKV_COLS = 128       # dkv columns computed and added at a time (registers next to dq's 64 x D)
 TOPK_MULTIPLE = 2 * FWD_BLOCK   # the forward consumes stages in pairs
 
 # TileLang pass configs, keyed by their string names so they mean the same thing across tilelang
@@ -240,13 +240,15 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     """Backward PrimFunc: (Q, KV, O, dO, Idx, Lse2[B,S,H] f32, dKV[B,N,D] f32 accumulated in place)
     -> (dQ[B,S,H,D] bf16, Delta[B,S,H] f32 = sum_d O*dO). One CTA per (query, 64-head block), 256
     threads, BWD_BLOCK rows a step. dKV rows are added with fp32 atomics (a KV row is shared by many
-    queries). Delta is computed here, from the dO tile already in shared memory, rather than by a
-    separate pass over O and dO in fp32 (which cost a quarter of the backward's time)."""
+    queries), BWD_DKV_COLS columns at a time: a 64-row block's whole dkv would not fit in registers
+    next to dq, and 64 rows (not 32) let its GEMMs run as wgmma. Delta is computed here, from the dO
+    tile already in shared memory, rather than by a separate pass over O and dO in fp32 (which cost
+    a quarter of the backward's time)."""
     import tilelang.language as T
 
-    assert heads % HEAD_BLOCK == 0 and dim % 128 == 0 and topk % BWD_BLOCK == 0
+    assert heads % HEAD_BLOCK == 0 and dim % BWD_DKV_COLS == 0 and topk % BWD_BLOCK == 0
     B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
-    HB, BS, SPLIT, DC = HEAD_BLOCK, BWD_BLOCK, BWD_DKV_SPLIT, 128
+    HB, BS, DC, BS2 = HEAD_BLOCK, BWD_BLOCK, BWD_DKV_COLS, BWD_BLOCK // 2
     rep = heads // HB
     scale2 = sm_scale * LOG2E
     bf16, f32 = T.bfloat16, T.float32
@@ -271,11 +273,11 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             kv_sh = T.alloc_shared([BS, dim], bf16)
             p_sh = T.alloc_shared([HB, BS], bf16)
             ds_sh = T.alloc_shared([HB, BS], bf16)
-            dkv_sh = T.alloc_shared([BS // SPLIT, dim], f32)  # a part of the block at a time: fits next to Q and dO
+            dkv_sh = T.alloc_shared([BS2, DC], f32)           # half the rows of a column chunk at a time
             acc_p = T.alloc_fragment([HB, BS], f32)
             acc_dp = T.alloc_fragment([HB, BS], f32)
             acc_dq = T.alloc_fragment([HB, dim], f32)
-            acc_dkv = T.alloc_fragment([BS, dim], f32)
+            acc_dkv = T.alloc_fragment([BS, DC], f32)
             od = T.alloc_fragment([HB, DC], f32)
             od_sum = T.alloc_fragment([HB], f32)
             lse_sh = T.alloc_shared([HB], f32)
@@ -295,7 +297,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             for h in T.Parallel(HB):
                 Delta[b, s, h0 + h] = delta_sh[h]
             T.clear(acc_dq)
-            for i in T.Pipelined(topk // BS, num_stages=0):    # 2 stages measured no faster
+            for i in T.Pipelined(topk // BS, num_stages=0):    # 2 stages do not fit next to Q and dO
                 for j, d in T.Parallel(BS, dim):
                     kv_sh[j, d] = T.if_then_else((Idx[b, s, i * BS + j] >= 0) & (Idx[b, s, i * BS + j] < N),
                                                  KV[b, T.max(Idx[b, s, i * BS + j], 0), d], T.cast(0, bf16))
@@ -309,15 +311,19 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                 T.copy(acc_p, p_sh)
                 T.copy(acc_dp, ds_sh)
                 T.gemm(ds_sh, kv_sh, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(ds_sh, q_sh, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(p_sh, do_sh, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                for part in T.unroll(SPLIT):
-                    for j, d in T.Parallel(BS, dim):
-                        if j // (BS // SPLIT) == part:
-                            dkv_sh[j % (BS // SPLIT), d] = acc_dkv[j, d]
-                    for j, d4 in T.Parallel(BS // SPLIT, dim // 4):
-                        if (Idx[b, s, i * BS + part * (BS // SPLIT) + j] >= 0) & (Idx[b, s, i * BS + part * (BS // SPLIT) + j] < N):
-                            T.atomic_addx4(dKV[b, Idx[b, s, i * BS + part * (BS // SPLIT) + j], d4 * 4], dkv_sh[j, d4 * 4])
+                for c in T.unroll(dim // DC):
+                    T.gemm(ds_sh, q_sh[:, c * DC:(c + 1) * DC], acc_dkv, transpose_A=True, clear_accum=True,
+                           policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(p_sh, do_sh[:, c * DC:(c + 1) * DC], acc_dkv, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullCol)
+                    for part in T.unroll(2):
+                        for j, d in T.Parallel(BS, DC):
+                            if j // BS2 == part:
+                                dkv_sh[j % BS2, d] = acc_dkv[j, d]
+                        for j, d4 in T.Parallel(BS2, DC // 4):
+                            if (Idx[b, s, i * BS + part * BS2 + j] >= 0) & (Idx[b, s, i * BS + part * BS2 + j] < N):
+                                T.atomic_addx4(dKV[b, Idx[b, s, i * BS + part * BS2 + j], c * DC + d4 * 4],
+                                               dkv_sh[j, d4 * 4])
             T.copy(acc_dq, dQ[b, s, h0:h0 + HB, :])
 
     return sparse_attn_bwd

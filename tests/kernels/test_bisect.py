@@ -55,3 +55,19 @@ def test_bisect_names_the_culprit_setting_and_smallest_shape(tmp_path):
     jpath, mpath = kb.write_report(report, str(tmp_path / "out"))
     assert json.load(open(jpath))["culprit"] == report.culprit
     assert "Culprit" in open(mpath).read()
+
+
+def test_bisect_says_when_the_kernel_does_not_build(tmp_path):
+    """On an older TileLang a kernel may fail to compile at all (the shipped backward does on 0.1.9): that is
+    reported as such, not as "no failure" or as a culprit."""
+    src, ref = tmp_path / "src.py", tmp_path / "ref.py"
+    broken = SOURCE.replace("def run(shape, pass_configs):\n",
+                            "def run(shape, pass_configs):\n    raise RuntimeError('bad optional access')\n")
+    assert broken != SOURCE
+    src.write_text(broken)
+    ref.write_text(REFERENCE)
+    settings = dict(kb._load(str(src), "s").PASS_CONFIGS)
+    report = kb.bisect("x", kb.Shape(1, 8, 64, 16, 128), settings, source=str(src), reference=str(ref),
+                       timeout=120, log=lambda m: None)
+    assert report.culprit is None and report.baseline["verdict"] == "error"
+    assert "does not build" in report.culprit_note and "bad optional access" in report.culprit_note
