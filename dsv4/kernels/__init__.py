@@ -84,12 +84,10 @@ def tilelang_compile(program, out_idx, pass_configs: dict | None = None):
     try:
         return tilelang.compile(program, out_idx=out_idx, target=target, execution_backend="tvm_ffi",
                                 pass_configs=dict(pass_configs or {}))
-    except (TypeError, ValueError, AttributeError) as e:   # tilelang < 0.1.15 wants a Target object
+    except (TypeError, ValueError, AttributeError):   # tilelang < 0.1.15 wants a Target object
         if target is not HOPPER_TARGET:
             raise
-        import tvm
         from tvm.target import Target
-        del e, tvm
         return tilelang.compile(program, out_idx=out_idx, target=Target(HOPPER_TARGET), execution_backend="tvm_ffi",
                                 pass_configs=dict(pass_configs or {}))
 
