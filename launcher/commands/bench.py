@@ -27,17 +27,24 @@ class AttnShape:
     D: int
     K: int
     ops: tuple[str, ...] = ("fwd", "bwd")
-    upstream: str = ""      # the upstream TileLang example measured at this shape (environment.md)
+    upstream: tuple[tuple[str, str], ...] = ()   # (op, the upstream TileLang example measured there; environment.md)
+
+    def __str__(self) -> str:
+        return f"{self.name}: B{self.B} S{self.S} N{self.N} H{self.H} D{self.D} top-k {self.K} ({', '.join(self.ops)})"
+
+    def note(self, op: str) -> str:
+        return dict(self.upstream).get(op, "")
 
 
 SHAPE_SETS = {
     "flash": [AttnShape("v4-flash", 1, 4096, 5120, 64, 512, 640, ("fwd", "bwd"),
-                        "upstream V4 illustration fwd: 320 TFLOP/s")],
+                        (("fwd", "upstream V4 illustration: 320"),))],
     "upstream": [
-        AttnShape("v4-fwd-example", 1, 4096, 8192, 128, 512, 1024, ("fwd",), "upstream V4 illustration: 354"),
-        AttnShape("v32-fwd", 1, 4096, 4096, 128, 512, 2048, ("fwd",), "upstream V3.2 fwd (D576): 331"),
-        AttnShape("v32-fwd-pipelined", 1, 4096, 8192, 128, 512, 2048, ("fwd",), "upstream V3.2 pipelined (D576): 548"),
-        AttnShape("v32-bwd", 1, 4096, 8192, 64, 512, 2048, ("bwd",), "upstream V3.2 bwd (D576): 190"),
+        AttnShape("v4-fwd-example", 1, 4096, 8192, 128, 512, 1024, ("fwd",), (("fwd", "upstream V4 illustration: 354"),)),
+        AttnShape("v32-fwd", 1, 4096, 4096, 128, 512, 2048, ("fwd",), (("fwd", "upstream V3.2 fwd (D576): 331"),)),
+        AttnShape("v32-fwd-pipelined", 1, 4096, 8192, 128, 512, 2048, ("fwd",),
+                  (("fwd", "upstream V3.2 pipelined (D576): 548"),)),
+        AttnShape("v32-bwd", 1, 4096, 8192, 64, 512, 2048, ("bwd",), (("bwd", "upstream V3.2 bwd (D576): 190"),)),
     ],
 }
 
@@ -95,7 +102,7 @@ def bench_attention(sh: AttnShape, ops: tuple[str, ...], torch_fallback: bool, w
             "bwd": lambda: tl._bwd(qp, kvb, sinkp, idxp, o, lse2, dop, scale)}
     for op in ops:
         ms = _median_ms(runs[op], warmup, iters)
-        rows.append(Row(sh.name, op, "tilelang", ms, flops[op] / ms / 1e9, sh.upstream))
+        rows.append(Row(sh.name, op, "tilelang", ms, flops[op] / ms / 1e9, sh.note(op)))
     if torch_fallback:
         for op in ops:
             try:
@@ -159,7 +166,7 @@ def bench_kernels(shapes, ops, no_torch, indexer, warmup, iters, as_json):
         for sh in SHAPE_SETS[set_name]:
             shape_ops = tuple(o for o in ops if o in sh.ops)
             click.echo(f"[bench] {sh}", err=True)
-            shapes_used.append(asdict(sh))
+            shapes_used.append({**asdict(sh), "upstream": dict(sh.upstream)})
             rows += bench_attention(sh, shape_ops, not no_torch, warmup, iters)
     if indexer:
         rows += bench_indexer(warmup, iters)
