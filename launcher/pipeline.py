@@ -126,7 +126,7 @@ def _preflight(cfg, run, step: Step, skip_checks) -> None:
 
     say(f"[preflight] {len(cfg.nodes)} node(s)")
     run.set_step(step.name, "running")
-    results = preflight.run_checks(cfg)
+    results = preflight.run_checks(cfg, run=run)
     say(preflight.render_table(results))
     run.record_preflight(results)
     strict = cfg["PRESET_STRICT_PREFLIGHT"]

@@ -51,8 +51,9 @@ def required_inputs(cfg) -> list[RequiredInput]:
     return list(hook(cfg)) if hook else []
 
 
-def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None) -> Results:
-    """Every selected check on every node; one result per (check, node)."""
+def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None, run=None) -> Results:
+    """Every selected check on every node; one result per (check, node). `run`: the registry run these
+    checks are for (a resumed one may already hold checkpoints, or have finished training)."""
     from launcher.nodes import nodes_from_config
     from launcher.preflight.gather import gather
 
@@ -60,6 +61,9 @@ def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None) -> Results:
     nodes = nodes or nodes_from_config(cfg)
     inputs = required_inputs(cfg) if inputs is None else list(inputs)
     ctx = gather(cfg, nodes, inputs)
+    if run is not None:
+        ctx.run_ckpt_gb = _tree_gb(run.dir / "checkpoints")
+        ctx.run_trained = run.step_status("train").get("status") == "done"
     results = Results()
     results.facts = ctx.facts
     for name in names:
@@ -68,6 +72,19 @@ def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None) -> Results:
             if r is not None:
                 results.append(r)
     return results
+
+
+def _tree_gb(path) -> float:
+    """Bytes of the files under `path` (0 if it does not exist), in GB as df reports them."""
+    import os
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:                    # removed meanwhile (a retention sweep)
+                pass
+    return total / 1e9
 
 
 def failed(results, strict: bool = False) -> list[CheckResult]:

@@ -261,16 +261,23 @@ def _disk(d: dict, what: str) -> tuple[str, str, str]:
     return PASS, text, ""
 
 
-def _checkpoint_room(cfg, d: dict, verdict: tuple[str, str, str]) -> tuple[str, str, str]:
+def _checkpoint_room(cfg, d: dict, verdict: tuple[str, str, str], have_gb: float = 0.0,
+                     trained: bool = False) -> tuple[str, str, str]:
     """The run's training checkpoints (under V4_OUT, on V4_WORK by default) must fit: a disk that fills
-    on the second save loses the step's work after hours of training."""
+    on the second save loses the step's work after hours of training. A resumed run's checkpoints already
+    on disk count as room (each stays in the peak count or is deleted to make way); a run whose training
+    finished needs none."""
     need = cfg.derived.get("CKPT_PEAK_GB")
     if need is None or "train" not in cfg["PRESET_STEPS"] or verdict[0] == FAIL or not d["writable"]:
         return verdict
+    if trained:
+        return verdict[0], f"{verdict[1]}; this run's training is done: no checkpoints to save", verdict[2]
     need, n, each = need.value, cfg.derived["CKPT_PEAK_COUNT"].value, cfg.derived["CKPT_GB"].value
     gb = lambda x: f"{x:.1f} GB" if x >= 1 else f"{x:.2g} GB"
     text = f"{verdict[1]}; training checkpoints need ~{gb(need)} ({n} x {gb(each)} at once)"
-    if d["free_gb"] >= need:
+    if have_gb > 0:
+        text += f", {gb(have_gb)} of this run's already on disk"
+    if d["free_gb"] + have_gb >= need:
         return verdict[0], text, verdict[2]
     keys = ", ".join(f"{k}={cfg.shown(k)}" for k in ("PRESET_NUM_STEPS", "PRESET_SAVE_INTERVAL", "PRESET_SAVE_RETAIN_INTERVAL"))
     fix = (f"free space under {d['existing']}, point V4_WORK at a larger disk, or save less often "
@@ -282,7 +289,7 @@ def _checkpoint_room(cfg, d: dict, verdict: tuple[str, str, str]) -> tuple[str, 
 def disk(node, ctx):
     d = ctx.facts[node]["disk"]
     w, l = _disk(d["work"], "V4_WORK"), _disk(d["local"], "V4_LOCAL_DIR")
-    w = _checkpoint_room(ctx.cfg, d["work"], w)
+    w = _checkpoint_room(ctx.cfg, d["work"], w, ctx.run_ckpt_gb, ctx.run_trained)
     status = FAIL if FAIL in (w[0], l[0]) else WARN if WARN in (w[0], l[0]) else PASS
     fix = "; ".join(x[2] for x in (w, l) if x[0] != PASS)
     return status, f"{w[1]}; {l[1]}", fix

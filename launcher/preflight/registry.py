@@ -36,6 +36,9 @@ class Context:
     token_error: str = ""
     clock: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (offset, uncertainty) s
     ssh_seconds: dict[str, float] = field(default_factory=dict)
+    # a resumed run: its checkpoints already on disk count toward the room it needs; none if trained
+    run_ckpt_gb: float = 0.0
+    run_trained: bool = False
 
     @property
     def head(self) -> str:

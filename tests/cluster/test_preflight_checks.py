@@ -31,8 +31,8 @@ def facts(**changes):
     return f
 
 
-def judge(name, cfg, per_node: dict, inputs=(), clock=None):
-    ctx = Context(cfg=cfg, order=list(per_node), facts=per_node, token="tok", inputs=list(inputs))
+def judge(name, cfg, per_node: dict, inputs=(), clock=None, **ctx_fields):
+    ctx = Context(cfg=cfg, order=list(per_node), facts=per_node, token="tok", inputs=list(inputs), **ctx_fields)
     ctx.clock = clock or {n: (0.0, 0.01) for n in per_node}
     return {n: CHECKS[name].judge(n, ctx) for n in per_node}
 
@@ -157,3 +157,27 @@ def test_disk_room_for_checkpoints():
                              sets=tuple(f"{k}={v}" for k, v in {**smoke, "PRESET_SAVE_INTERVAL": 6}.items())))
     r = one("disk", once, facts())
     assert r.status == "PASS" and "1 x 34.5" in r.detail, r
+
+
+def test_disk_room_counts_a_resumed_runs_checkpoints(tmp_path):
+    """`--resume` after the first save: that checkpoint (34.5 GB) is on disk and counts as room, since it
+    either stays among the two at once or is deleted to make way. A run whose training is done needs none."""
+    smoke = dict(V4_NUM_GPUS_PER_NODE=1, V4_EXPECT_IB=0, PRESET_MODEL_OVERRIDES='"n_routed_experts=8"')
+    cfg = resolve(Selection(preset="smoke", cluster="h200_template", hw="h200",
+                            sets=tuple(f"{k}={v}" for k, v in smoke.items())))
+    f = facts(disk__work__free_gb=40.0)                         # 68 GB before the first save
+    assert one("disk", cfg, f).status == "FAIL"
+    r = one("disk", cfg, f, run_ckpt_gb=34.5)
+    assert r.status == "PASS" and "34.5 GB of this run's already on disk" in r.detail, r
+    assert one("disk", cfg, f, run_ckpt_gb=20.0).status == "FAIL"             # 40 + 20 < 69
+    r = one("disk", cfg, facts(disk__work__free_gb=30.0), run_trained=True)
+    assert r.status != "FAIL" and "training is done" in r.detail, r
+
+
+def test_tree_gb_measures_what_a_run_holds(tmp_path):
+    from launcher.preflight import _tree_gb
+    assert _tree_gb(tmp_path / "missing") == 0
+    (tmp_path / "iter_3").mkdir()
+    (tmp_path / "iter_3" / "shard").write_bytes(b"x" * 3_000_000)
+    (tmp_path / "latest").write_text("3")
+    assert _tree_gb(tmp_path) == 3_000_001 / 1e9
