@@ -307,7 +307,7 @@ def bisect(kernel: str, shape: Shape, settings: dict, *, source: str | None = No
         broken = next((t for t in (base, full) if t.verdict == "error"), None)
         if broken is not None:          # a build error is no evidence either way: say so, do not bisect
             note = (f"the kernel does not build under {_fmt(broken.settings)} with this TileLang ({broken.detail}): "
-                    "nothing to bisect. The built-in kernels need tilelang>=0.1.11; to chase a bug of an "
+                    "nothing to bisect. This package supports tilelang>=0.1.11; to chase a bug of an "
                     "older TileLang, bisect a kernel that builds there (--source/--reference)")
         elif full.failed and not base.failed:
             keys = ddmin(list(settings), lambda ks: trial({k: settings[k] for k in ks}, shape).failed)
