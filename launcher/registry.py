@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from dsv4.fileio import atomic_write  # noqa: F401  (re-exported: launcher code writes through it)
+from dsv4.fileio import atomic_write
 from launcher.errors import ConfigError
 
 RUN_ID_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*?)-(?P<ts>\d{8}-\d{6})-(?P<rand>[0-9a-f]{4})$")

@@ -664,7 +664,6 @@ def _stop_nonfinite(trainer: Trainer, res: StepResult, out: Outputs, say) -> int
     say(f"error: non-finite loss or gradient at step {info['step']} (loss {res.loss}); first at {where} "
         f"on rank {info['rank']}; stopping with exit code {EXIT_NONFINITE}")
     if trainer.ranks.rank == 0 and out.nonfinite is not None:
-        out.nonfinite.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out.nonfinite, json.dumps(info, indent=2, default=str))
     dist.barrier()
     return EXIT_NONFINITE
@@ -698,7 +697,6 @@ def reload_check(trainer: Trainer, tc: TrainConfig, ckpt: Path, batch: dict, out
     say(f"reload check at step {result['step']}: loss {a.loss!r} continued vs {b.loss!r} reloaded; "
         f"after update {a_after!r} vs {b_after!r} -> {'identical' if result['identical'] else 'DIFFERENT'}")
     if fresh.ranks.rank == 0:
-        out.reload_check.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out.reload_check, json.dumps(result, indent=2))
     fresh.close()
     dist.barrier()

@@ -27,11 +27,12 @@ class ModelFacts:
     ckpt_bytes: int             # one training checkpoint: every weight, optimizer state of the trained ones
 
 
-# bf16 weight + fp32 gradient + fp32 master weight + two fp32 Adam moments; fp32 models: 4 + 4 + 8.
-STATE_BYTES = {"bf16": 18, "fp32": 16}
-# A training checkpoint holds every weight (2 or 4 bytes) and, for each parameter that receives a
-# gradient, the fp32 master copy (bf16 models) and the two fp32 Adam moments. Gradients are not saved.
+# Bytes a parameter costs. Weight: 2 (bf16) or 4 (fp32); gradient: fp32; optimizer: the fp32 master copy
+# (bf16 models only) and the two fp32 Adam moments. A training checkpoint holds every weight and the
+# optimizer state of each parameter that receives a gradient (gradients are not saved); in memory a
+# trained parameter costs all three (bf16: 2 + 4 + 12 = 18).
 WEIGHT_BYTES = {"bf16": 2, "fp32": 4}
+GRAD_BYTES = 4
 OPTIMIZER_BYTES = {"bf16": 12, "fp32": 8}
 
 
@@ -54,9 +55,10 @@ def model_facts(cfg: Config) -> ModelFacts:
     untrained = sum(math.prod(s) for name, s in shapes.items()
                     if (name.startswith("mtp.") and not cfg["PRESET_MTP_LOSS_COEFF"])
                     or (".indexer." in name and not m.indexer_loss_coeff))
-    ckpt = total * WEIGHT_BYTES.get(m.dtype, 2) + (total - untrained) * OPTIMIZER_BYTES.get(m.dtype, 12)
+    weight, optimizer = WEIGHT_BYTES.get(m.dtype, 2), OPTIMIZER_BYTES.get(m.dtype, 12)
+    ckpt = total * weight + (total - untrained) * optimizer
     return ModelFacts(m.n_layers, m.n_routed_experts, m.n_heads, m.o_groups, total - expert, expert,
-                      STATE_BYTES.get(m.dtype, 18), ckpt)
+                      weight + GRAD_BYTES + optimizer, ckpt)
 
 
 def peak_checkpoints(num_steps: int, interval: int, retain: int) -> int:
