@@ -144,27 +144,28 @@ def test_a_broken_check_fails_loudly():
     assert r.status == "FAIL" and "check raised KeyError" in r.detail
 
 
+def h200_smoke(**sets):
+    """The 4-layer smoke as it ran on the one H200 (8 routed experts): 34.5 GB a checkpoint by the estimate."""
+    sets = dict(V4_NUM_GPUS_PER_NODE=1, V4_EXPECT_IB=0, PRESET_MODEL_OVERRIDES='"n_routed_experts=8"', **sets)
+    return resolve(Selection(preset="smoke", cluster="h200_template", hw="h200",
+                             sets=tuple(f"{k}={v}" for k, v in sets.items())))
+
+
 def test_disk_room_for_checkpoints():
     """What happened on the H200: the 4-layer smoke (2.8 B params, 32 GiB = 34.4 GB a checkpoint) saved at step 3,
     then the disk (68 GB free) filled during the step-6 save. Preflight now says so before training."""
-    smoke = dict(V4_NUM_GPUS_PER_NODE=1, V4_EXPECT_IB=0, PRESET_MODEL_OVERRIDES='"n_routed_experts=8"')
-    cfg = resolve(Selection(preset="smoke", cluster="h200_template", hw="h200",
-                            sets=tuple(f"{k}={v}" for k, v in smoke.items())))
+    cfg = h200_smoke()
     assert 33 < cfg["CKPT_GB"] < 36 and cfg["CKPT_PEAK_COUNT"] == 2
     r = one("disk", cfg, facts())
     assert r.status == "FAIL" and "need ~69.0 GB (2 x 34.5 GB at once)" in r.detail and "PRESET_SAVE_INTERVAL=6" in r.fix, r
-    once = resolve(Selection(preset="smoke", cluster="h200_template", hw="h200",
-                             sets=tuple(f"{k}={v}" for k, v in {**smoke, "PRESET_SAVE_INTERVAL": 6}.items())))
-    r = one("disk", once, facts())
+    r = one("disk", h200_smoke(PRESET_SAVE_INTERVAL=6), facts())
     assert r.status == "PASS" and "1 x 34.5" in r.detail, r
 
 
-def test_disk_room_counts_a_resumed_runs_checkpoints(tmp_path):
+def test_disk_room_counts_a_resumed_runs_checkpoints():
     """`--resume` after the first save: that checkpoint (34.5 GB) is on disk and counts as room, since it
     either stays among the two at once or is deleted to make way. A run whose training is done needs none."""
-    smoke = dict(V4_NUM_GPUS_PER_NODE=1, V4_EXPECT_IB=0, PRESET_MODEL_OVERRIDES='"n_routed_experts=8"')
-    cfg = resolve(Selection(preset="smoke", cluster="h200_template", hw="h200",
-                            sets=tuple(f"{k}={v}" for k, v in smoke.items())))
+    cfg = h200_smoke()
     f = facts(disk__work__free_gb=40.0)                         # 68 GB before the first save
     assert one("disk", cfg, f).status == "FAIL"
     r = one("disk", cfg, f, run_ckpt_gb=34.5)
