@@ -4,7 +4,8 @@ FLOPs are counted explicitly, per query token and head, over all K index slots (
   sparse attention forward : 4 * K * D        (scores q.k: 2KD, output p.v: 2KD)
   sparse attention backward: 10 * K * D       (scores recomputed 2KD, dO.v 2KD, dq 2KD, dkv 2 x 2KD)
   indexer logits           : 2 * N * Di       (q.k for every compressed entry, causal half included)
-TFLOP/s = FLOPs / median time of `--iters` timed runs after warm-up (CUDA events).
+TFLOP/s = FLOPs / median time of `--iters` timed runs after warm-up (CUDA events); the fastest and
+slowest of those runs are printed beside it, so noise between runs of the same kernel is visible.
 """
 from __future__ import annotations
 
@@ -54,12 +55,23 @@ class Row:
     shape: str
     op: str
     impl: str
-    ms: float | None
-    tflops: float | None
+    ms: float | None                   # median
+    tflops: float | None               # at the median
     note: str = ""
+    ms_min: float | None = None
+    ms_max: float | None = None
+
+    @classmethod
+    def timed(cls, shape: str, op: str, impl: str, times: list[float], flops: int, note: str = "") -> "Row":
+        ms = median(times)
+        return cls(shape, op, impl, ms, flops / ms / 1e9, note, min(times), max(times))
 
 
-def _median_ms(fn, warmup: int, iters: int) -> float:
+def median(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]
+
+
+def _times_ms(fn, warmup: int, iters: int) -> list[float]:
     import torch
     for _ in range(warmup):
         fn()
@@ -71,7 +83,7 @@ def _median_ms(fn, warmup: int, iters: int) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return times
 
 
 def _inputs(sh: AttnShape):
@@ -101,21 +113,20 @@ def bench_attention(sh: AttnShape, ops: tuple[str, ...], torch_fallback: bool, w
     runs = {"fwd": lambda: tl._fwd(qp, kvb, sinkp, idxp, scale),
             "bwd": lambda: tl._bwd(qp, kvb, sinkp, idxp, o, lse2, dop, scale)}
     for op in ops:
-        ms = _median_ms(runs[op], warmup, iters)
-        rows.append(Row(sh.name, op, "tilelang", ms, flops[op] / ms / 1e9, sh.note(op)))
+        rows.append(Row.timed(sh.name, op, "tilelang", _times_ms(runs[op], warmup, iters), flops[op], sh.note(op)))
     if torch_fallback:
         for op in ops:
             try:
                 if op == "fwd":
                     with torch.no_grad():
-                        ms = _median_ms(lambda: reference.sparse_attn_gather(q, kv, sink, idx, scale), 1, 3)
+                        times = _times_ms(lambda: reference.sparse_attn_gather(q, kv, sink, idx, scale), 1, 3)
                 else:
                     leaves = [t.detach().clone().requires_grad_(True) for t in (q, kv, sink)]
                     out = reference.sparse_attn_gather(*leaves, idx, scale)
                     do = torch.randn_like(out)
-                    ms = _median_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), 1, 3)
+                    times = _times_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), 1, 3)
                     del out
-                rows.append(Row(sh.name, op, "torch", ms, flops[op] / ms / 1e9))
+                rows.append(Row.timed(sh.name, op, "torch", times, flops[op]))
             except torch.OutOfMemoryError:
                 rows.append(Row(sh.name, op, "torch", None, None, "out of memory"))
             torch.cuda.empty_cache()
@@ -133,9 +144,8 @@ def bench_indexer(warmup: int, iters: int) -> list[Row]:
     w = torch.randn(B, S, Hi, device="cuda")
     flops = 2 * B * S * N * Hi * Di
     name = f"indexer B{B} S{S} N{N} Hi{Hi} Di{Di}"
-    ms_tl = _median_ms(lambda: indexer_logits(q, k, w, ratio), warmup, iters)
-    ms_t = _median_ms(lambda: reference.indexer_logits_ref(q, k, w, ratio), 1, 3)
-    return [Row(name, "fwd", "tilelang", ms_tl, flops / ms_tl / 1e9), Row(name, "fwd", "torch", ms_t, flops / ms_t / 1e9)]
+    return [Row.timed(name, "fwd", "tilelang", _times_ms(lambda: indexer_logits(q, k, w, ratio), warmup, iters), flops),
+            Row.timed(name, "fwd", "torch", _times_ms(lambda: reference.indexer_logits_ref(q, k, w, ratio), 1, 3), flops)]
 
 
 @click.group()
@@ -176,8 +186,15 @@ def bench_kernels(shapes, ops, no_torch, indexer, warmup, iters, as_json):
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"device: {report['device']}   FLOPs: fwd {FWD_FLOPS}, bwd {BWD_FLOPS} (K = top-k slots, padding included)")
-    click.echo(f"{'shape':<40} {'op':<4} {'impl':<9} {'ms':>9} {'TFLOP/s':>8}  note")
+    click.echo(table(rows))
+
+
+def table(rows: list[Row]) -> str:
+    """ms is the median; min-max the fastest and slowest timed run."""
+    lines = [f"{'shape':<40} {'op':<4} {'impl':<9} {'ms':>9} {'min-max':>17} {'TFLOP/s':>8}  note"]
     for r in rows:
         ms = f"{r.ms:.3f}" if r.ms is not None else "-"
+        spread = f"{r.ms_min:.3f}-{r.ms_max:.3f}" if r.ms_min is not None else "-"
         tf = f"{r.tflops:.1f}" if r.tflops is not None else "-"
-        click.echo(f"{r.shape:<40} {r.op:<4} {r.impl:<9} {ms:>9} {tf:>8}  {r.note}")
+        lines.append(f"{r.shape:<40} {r.op:<4} {r.impl:<9} {ms:>9} {spread:>17} {tf:>8}  {r.note}")
+    return "\n".join(lines)
