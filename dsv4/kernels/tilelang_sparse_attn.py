@@ -242,9 +242,9 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     threads, BWD_BLOCK rows a step. dKV rows are added with fp32 atomics (a KV row is shared by many
     queries), BWD_DKV_COLS columns at a time and straight from the accumulator registers (staging them
     through shared memory for 16-byte atomics measured 5 % slower): a 64-row block's whole dkv would
-    not fit in registers next to dq, and 64 rows (not 32) let its GEMMs run as wgmma. Delta is computed here, from the dO
-    tile already in shared memory, rather than by a separate pass over O and dO in fp32 (which cost
-    a quarter of the backward's time)."""
+    not fit in registers next to dq, and 64 rows (not 32) let its GEMMs run as wgmma. Delta is
+    computed here, from the dO tile already in shared memory, rather than by a separate pass over O
+    and dO in fp32 (which cost a quarter of the backward's time)."""
     import tilelang.language as T
 
     assert heads % HEAD_BLOCK == 0 and dim % BWD_DKV_COLS == 0 and topk % BWD_BLOCK == 0

@@ -1,4 +1,5 @@
-"""`v4 bench kernels` off the GPU: what it refuses, and that each upstream figure stays with its own pass."""
+"""`v4 bench kernels` off the GPU: what it refuses, that each upstream figure stays with its own pass, and
+the median / min-max of each row."""
 import subprocess
 import sys
 from pathlib import Path
