@@ -42,6 +42,8 @@ def test_sparse_attn_bwd_lowers_without_aggressive_merge():
     assert sa.BWD_PASS_CONFIGS["tl.enable_aggressive_shared_memory_merge"] is False
     src = _lower(sa.bwd_program(64, 512, 640, 512 ** -0.5), sa.BWD_PASS_CONFIGS)
     assert "AtomicAdd" in src and "wgmma" in src
+    # KV rows by TMA: padding (-1) must stay an out-of-bounds box that TMA zero-fills, never a clamped row
+    assert "tma_load" in src and "expect_transaction" in src, "backward no longer gathers KV rows by TMA"
 
 
 def test_indexer_lowers():
