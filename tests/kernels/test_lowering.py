@@ -44,6 +44,7 @@ def test_sparse_attn_bwd_lowers_without_aggressive_merge():
     assert "AtomicAdd" in src and "wgmma" in src
     # KV rows by TMA: padding (-1) must stay an out-of-bounds box that TMA zero-fills, never a clamped row
     assert "tma_load" in src and "expect_transaction" in src, "backward no longer gathers KV rows by TMA"
+    assert "tma_store" in src, "backward no longer writes dQ with a TMA store"
 
 
 def test_indexer_lowers():
