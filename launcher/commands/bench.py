@@ -10,6 +10,7 @@ slowest of those runs are printed beside it, so noise between runs of the same k
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass
 
 import click
@@ -63,12 +64,8 @@ class Row:
 
     @classmethod
     def timed(cls, shape: str, op: str, impl: str, times: list[float], flops: int, note: str = "") -> "Row":
-        ms = median(times)
+        ms = statistics.median_high(times)      # a time that was measured, never an average of two
         return cls(shape, op, impl, ms, flops / ms / 1e9, note, min(times), max(times))
-
-
-def median(times: list[float]) -> float:
-    return sorted(times)[len(times) // 2]
 
 
 def _times_ms(fn, warmup: int, iters: int) -> list[float]:

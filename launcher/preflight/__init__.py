@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import asdict
 
 from launcher.errors import ConfigError
@@ -76,7 +77,6 @@ def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None, run=None) -> Resu
 
 def _tree_gb(path) -> float:
     """Bytes of the files under `path` (0 if it does not exist), in GB as df reports them."""
-    import os
     total = 0
     for root, _, files in os.walk(path):
         for f in files:
