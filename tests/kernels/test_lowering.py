@@ -45,6 +45,10 @@ def test_sparse_attn_bwd_lowers_without_aggressive_merge():
     # KV rows by TMA: padding (-1) must stay an out-of-bounds box that TMA zero-fills, never a clamped row
     assert "tma_load" in src and "expect_transaction" in src, "backward no longer gathers KV rows by TMA"
     assert "tma_store" in src, "backward no longer writes dQ with a TMA store"
+    # barriers are placed by hand: three in the step loop (before P/dS are written, before and after the dq
+    # GEMM); the automatic pass would put five there
+    loop = src[src.index("kv_full[0].wait("):src.rindex("AtomicAdd")]
+    assert loop.count("__syncthreads()") == 3, "the backward's step no longer has exactly its three barriers"
 
 
 def test_indexer_lowers():
