@@ -65,8 +65,8 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     """Forward PrimFunc: (Q[B,S,H,D] bf16, KV[B,N,D] bf16, Idx[B,S,topk] i32, Sink[H] f32)
     -> (O[B,S,H,D] bf16, Lse2[B,S,H] f32). B, S, N are dynamic.
 
-    Warp-specialized, 384 threads: warpgroup 2 loads Q, then gathers KV rows (predicated cp.async,
-    two stages) and their padding masks;
+    Warp-specialized, 384 threads: warpgroup 2 loads Q together with block 0, then gathers KV rows
+    (predicated cp.async, two stages) and their padding masks;
     warpgroup 0 computes scores over all of D, the online softmax and O[:, :D/2] (P from its
     registers); warpgroup 1 computes O[:, D/2:] from the probabilities warpgroup 0 leaves in shared
     memory. Splitting O keeps each accumulator at 64 x D/2 fp32 (128 registers a thread at D = 512)."""
@@ -75,6 +75,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     assert heads % HEAD_BLOCK == 0, f"heads={heads} must be a multiple of {HEAD_BLOCK} (pad on the host)"
     assert dim % 128 == 0, f"dim={dim} must be a multiple of 128"
     assert topk % TOPK_MULTIPLE == 0, f"topk={topk} must be a multiple of {TOPK_MULTIPLE} (pad with -1)"
+    assert HEAD_BLOCK == FWD_BLOCK, "Q and block 0 are copied by one loop over the same rows"
     B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
     HB, BI, D2 = HEAD_BLOCK, FWD_BLOCK, dim // 2
     rep = heads // HB
@@ -189,15 +190,25 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             if tx >= 256:                                     # producer
                 T.set_max_nreg(64, 0)
                 # Q by the producer alone: 64 x 512 over 384 threads does not split into 16-byte vectors,
-                # and the scalar loads that result cost more than all the attention math (measured: 2.5x)
+                # and the scalar loads that result cost more than all the attention math (measured: 2.5x).
+                # Q and block 0's rows go out as one batch of copies with one wait (HB == BI rows): the first
+                # score GEMM waits for the slower of the two, not their sum (3-7 % less time at V4-Flash)
+                for j in T.Parallel(BI):
+                    mask0[j] = T.if_then_else((Idx[b, s, j] >= 0) & (Idx[b, s, j] < N), 0, -T.infinity(f32))
                 for h, d in T.Parallel(HB, D2, annotations={"parallel_prefer_async": True}):
                     q_l[h, d] = Q[b, s, h0 + h, d]
                     q_r[h, d] = Q[b, s, h0 + h, D2 + d]
+                    kv0_l[h, d] = T.if_then_else((Idx[b, s, h] >= 0) & (Idx[b, s, h] < N),
+                                                 KV[b, T.max(Idx[b, s, h], 0), d], T.cast(0, bf16))
+                    kv0_r[h, d] = T.if_then_else((Idx[b, s, h] >= 0) & (Idx[b, s, h] < N),
+                                                 KV[b, T.max(Idx[b, s, h], 0), D2 + d], T.cast(0, bf16))
                 T.fence_proxy_async()
                 T.barrier_arrive(bar_q)
-                for k in T.serial(n_pairs):
-                    gather(KV, Idx, N, b, s, 2 * k, kv0_l, kv0_r, mask0, full0, empty0, k & 1)
-                    gather(KV, Idx, N, b, s, 2 * k + 1, kv1_l, kv1_r, mask1, full1, empty1, k & 1)
+                T.barrier_arrive(full0)
+                gather(KV, Idx, N, b, s, 1, kv1_l, kv1_r, mask1, full1, empty1, 0)
+                for k in T.serial(n_pairs - 1):
+                    gather(KV, Idx, N, b, s, 2 * k + 2, kv0_l, kv0_r, mask0, full0, empty0, (k + 1) & 1)
+                    gather(KV, Idx, N, b, s, 2 * k + 3, kv1_l, kv1_r, mask1, full1, empty1, (k + 1) & 1)
             elif tx < 128:
                 T.set_max_nreg(240, 1)
                 T.fill(m, neg_big)
@@ -248,8 +259,9 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     queries), BWD_DKV_COLS columns at a time and straight from the accumulator registers (staging them
     through shared memory for 16-byte atomics measured 5 % slower): a 64-row block's whole dkv would
     not fit in registers next to dq, and 64 rows (not 32) let its GEMMs run as wgmma. Delta is
-    computed here, from the dO tile already in shared memory, rather than by a separate pass over O
-    and dO in fp32 (which cost a quarter of the backward's time).
+    computed here, from the dO tile already in shared memory and O copied into kv_sh beside Q and dO
+    (kv_sh is free until block 0 arrives; reading O from global memory chunk by chunk took ~1 % longer),
+    rather than by a separate pass over O and dO in fp32 (which cost a quarter of the backward's time).
 
     KV rows arrive by TMA, one 64-column box each: an index of -1 (or >= N) lies outside the tensor
     map, so TMA writes zeros and still counts the box's bytes toward the barrier. Block i+1 is fetched
@@ -264,6 +276,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 
     assert heads % HEAD_BLOCK == 0 and dim % BWD_DKV_COLS == 0 and topk % BWD_BLOCK == 0
     assert BWD_DKV_COLS % 64 == 0 and BWD_BLOCK % 8 == 0     # 64-column TMA boxes; 8 warps fetch
+    assert HEAD_BLOCK == BWD_BLOCK, "O is staged in kv_sh for Delta"
     B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
     HB, BS, DC = HEAD_BLOCK, BWD_BLOCK, BWD_DKV_COLS
     rep = heads // HB
@@ -313,13 +326,14 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 
             T.copy(Q[b, s, h0:h0 + HB, :], q_sh)
             T.copy(dO[b, s, h0:h0 + HB, :], do_sh)
+            T.copy(O[b, s, h0:h0 + HB, :], kv_sh)          # kv_sh is free until block 0's fetch (HB == BS rows)
             for h in T.Parallel(HB):
                 lse_sh[h] = Lse[b, s, h0 + h]
                 delta_sh[h] = 0
             T.sync_threads()
             for c in T.serial(dim // DC):          # Delta = rowsum(O * dO) in fp32, DC columns at a time
                 for h, d in T.Parallel(HB, DC):
-                    od[h, d] = T.cast(O[b, s, h0 + h, c * DC + d], f32) * T.cast(do_sh[h, c * DC + d], f32)
+                    od[h, d] = T.cast(kv_sh[h, c * DC + d], f32) * T.cast(do_sh[h, c * DC + d], f32)
                 T.reduce_sum(od, od_sum, dim=1)
                 for h in T.Parallel(HB):
                     delta_sh[h] += od_sum[h]
