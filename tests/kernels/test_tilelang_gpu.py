@@ -83,6 +83,32 @@ def test_sparse_attn_gradients(case):
         assert (leaves[0].grad[:, :empty] == 0).all(), "rows with no valid slot must give dq = 0"
 
 
+def test_sparse_attn_out_of_range_indices_are_empty_slots():
+    """An index >= N is an empty slot like -1 in the TileLang kernels (the forward masks its load; the backward's
+    TMA box lies outside the tensor map and is zero-filled): same values and gradients as the reference given -1
+    there. N itself, N + 1 and 2**30 are all used."""
+    from dsv4.kernels import reference as ref
+    from dsv4.kernels.tilelang_sparse_attn import sparse_attn
+    q, kv, sink, idx = make_case(1, 32, 300, 64, 512, 256, 0.1, "pos", seed=3)
+    N = kv.shape[1]
+    g = torch.Generator(device="cpu").manual_seed(4)
+    oob = (torch.rand(idx.shape, generator=g) < 0.2).to(idx.device)
+    far = torch.tensor([N, N + 1, 2 ** 30], dtype=torch.int32)[torch.randint(0, 3, idx.shape, generator=g)]
+    idx_oob = torch.where(oob, far.to(idx.device), idx)
+    idx_ref = torch.where(oob | (idx < 0), -1, idx)
+    do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, kv, sink)]
+    o = sparse_attn(*leaves, idx_oob, 512 ** -0.5)
+    o.backward(do)
+    kv_clean = torch.where(torch.isnan(kv), 0, kv)
+    ref_leaves = [t.detach().float().clone().requires_grad_(True) for t in (q, kv_clean, sink)]
+    o_ref = ref.sparse_attn_gather(*ref_leaves, idx_ref, 512 ** -0.5)
+    o_ref.backward(do.float())
+    assert_close("o", o.float(), o_ref, 1e-2)
+    for name, got, want in zip(("dq", "dkv", "dsink"), (l.grad for l in leaves), (l.grad for l in ref_leaves)):
+        assert_close(name, got.float(), want, 2e-2, atol=1e-4)
+
+
 def test_sparse_attn_matches_dense_reference_and_neg_inf_sink():
     """Second reference (dense mask) and a -inf sink (no sink) with empty rows: still finite."""
     from dsv4.kernels import reference as ref
