@@ -343,16 +343,16 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             T.barrier_arrive(in_full)
             for h in T.Parallel(HB):
                 lse_sh[h] = Lse[b, s, h0 + h]
-                delta_sh[h] = 0
             T.barrier_wait(in_full, 0)
             T.sync_threads()
-            for c in T.serial(dim // DC):          # Delta = rowsum(O * dO) in fp32, DC columns at a time
+            T.clear(od)                            # Delta = rowsum(O * dO) in fp32: the DC-column chunks' products
+            for c in T.unroll(dim // DC):          # summed in place first, then one row reduction (not one a chunk)
                 for h, d in T.Parallel(HB, DC):
-                    od[h, d] = T.cast(kv_sh[h, c * DC + d], f32) * T.cast(do_sh[h, c * DC + d], f32)
-                T.reduce_sum(od, od_sum, dim=1)
-                for h in T.Parallel(HB):
-                    delta_sh[h] += od_sum[h]
-            T.fence_proxy_async()                          # q_sh and do_sh are read by wgmma (the async proxy)
+                    od[h, d] += T.cast(kv_sh[h, c * DC + d], f32) * T.cast(do_sh[h, c * DC + d], f32)
+            T.reduce_sum(od, od_sum, dim=1)
+            for h in T.Parallel(HB):
+                delta_sh[h] = od_sum[h]
+            T.fence_proxy_async()                          # kv_sh's generic reads before block 0's TMA writes
             T.sync_threads()
             for h in T.Parallel(HB):
                 Delta[b, s, h0 + h] = delta_sh[h]
