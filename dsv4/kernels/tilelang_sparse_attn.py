@@ -71,7 +71,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     """Forward PrimFunc: (Q[B,S,H,D] bf16, KV[B,N,D] bf16, Idx[B,S,topk] i32, Sink[H] f32)
     -> (O[B,S,H,D] bf16, Lse2[B,S,H] f32). B, S, N are dynamic.
 
-    Warp-specialized, 384 threads: warpgroup 2 loads Q together with block 0, then gathers KV rows
+    Warp-specialized, 384 threads: warpgroup 2 loads Q (TMA) together with block 0, then gathers KV rows
     (predicated cp.async, two stages) and their padding masks;
     warpgroup 0 computes scores over all of D, the online softmax and O[:, :D/2] (P from its
     registers); warpgroup 1 computes O[:, D/2:] from the probabilities warpgroup 0 leaves in shared
@@ -81,7 +81,6 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     assert heads % HEAD_BLOCK == 0, f"heads={heads} must be a multiple of {HEAD_BLOCK} (pad on the host)"
     assert dim % 128 == 0, f"dim={dim} must be a multiple of 128"
     assert topk % TOPK_MULTIPLE == 0, f"topk={topk} must be a multiple of {TOPK_MULTIPLE} (pad with -1)"
-    assert HEAD_BLOCK == FWD_BLOCK, "Q and block 0 are copied by one loop over the same rows"
     B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
     HB, BI, D2 = HEAD_BLOCK, FWD_BLOCK, dim // 2
     rep = heads // HB
@@ -195,19 +194,21 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             # warpgroups' targets must sum to at most 504 a thread, or an increase waits forever.
             if tx >= 256:                                     # producer
                 T.set_max_nreg(64, 0)
-                # Q by the producer alone: 64 x 512 over 384 threads does not split into 16-byte vectors,
-                # and the scalar loads that result cost more than all the attention math (measured: 2.5x).
-                # Q and block 0's rows go out as one batch of copies with one wait (HB == BI rows): the first
-                # score GEMM waits for the slower of the two, not their sum (3-7 % less time at V4-Flash)
+                # Q by TMA (64-column boxes from the producer's leader), block 0's rows by cp.async at the same
+                # time: the first score GEMM waits for the slower of the two, not their sum (Q copied by the
+                # producer's threads in one batch with block 0 took 1.5-4 % longer, Q first and then block 0 3-7 %)
+                for c in T.unroll(D2 // 64):
+                    T.tma_copy(Q[b, s, h0:h0 + HB, c * 64:c * 64 + 64], q_l[:, c * 64:c * 64 + 64], barrier=bar_q,
+                               leader_scope_threads=128)
+                    T.tma_copy(Q[b, s, h0:h0 + HB, D2 + c * 64:D2 + c * 64 + 64], q_r[:, c * 64:c * 64 + 64], barrier=bar_q,
+                               leader_scope_threads=128)
+                T.barrier_arrive(bar_q)
                 for j in T.Parallel(BI):
                     mask0[j] = T.if_then_else(valid(Idx[b, s, j], N), 0, -T.infinity(f32))
                 for j, d in T.Parallel(BI, D2, annotations={"parallel_prefer_async": True}):
-                    q_l[j, d] = Q[b, s, h0 + j, d]
-                    q_r[j, d] = Q[b, s, h0 + j, D2 + d]
                     kv0_l[j, d] = row_or_zero(KV, Idx[b, s, j], N, b, d)
                     kv0_r[j, d] = row_or_zero(KV, Idx[b, s, j], N, b, D2 + d)
                 T.fence_proxy_async()
-                T.barrier_arrive(bar_q)
                 T.barrier_arrive(full0)
                 gather(KV, Idx, N, b, s, 1, kv1_l, kv1_r, mask1, full1, empty1, 0)
                 for k in T.serial(n_pairs - 1):
@@ -263,9 +264,10 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     queries), BWD_DKV_COLS columns at a time and straight from the accumulator registers (staging them
     through shared memory for 16-byte atomics measured 5 % slower): a 64-row block's whole dkv would
     not fit in registers next to dq, and 64 rows (not 32) let its GEMMs run as wgmma. Delta is
-    computed here, from the dO tile already in shared memory and O copied into kv_sh beside Q and dO
-    (kv_sh is free until block 0 arrives; reading O from global memory chunk by chunk took ~1 % longer),
-    rather than by a separate pass over O and dO in fp32 (which cost a quarter of the backward's time).
+    computed here, from the dO tile already in shared memory and O loaded into registers (dim/128 fragments
+    of 64 x 128, before dq's accumulator is live), rather than by a separate pass over O and dO in fp32
+    (which cost a quarter of the backward's time). With O kept out of kv_sh, block 0's fetch goes out with
+    the Q and dO loads and lands under Delta (1-2 % less time than staging O in kv_sh and fetching after).
 
     KV rows arrive by TMA, one 64-column box each: an index of -1 (or >= N) lies outside the tensor
     map, so TMA writes zeros and still counts the box's bytes toward the barrier. Block i+1 is fetched
@@ -280,9 +282,10 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 
     assert heads % HEAD_BLOCK == 0 and dim % BWD_DKV_COLS == 0 and topk % BWD_BLOCK == 0
     assert BWD_DKV_COLS % 64 == 0 and BWD_BLOCK % 8 == 0     # 64-column TMA boxes; 8 warps fetch
-    assert HEAD_BLOCK == BWD_BLOCK, "O is staged in kv_sh for Delta"
     B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
     HB, BS, DC = HEAD_BLOCK, BWD_BLOCK, BWD_DKV_COLS
+    n_dc = dim // DC
+    assert n_dc <= 4, f"dim={dim}: O is held in registers for Delta as at most 4 chunks of {DC} columns"
     rep = heads // HB
     scale2 = sm_scale * LOG2E
     bf16, f32 = T.bfloat16, T.float32
@@ -296,6 +299,11 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                            kv_sh[(tx // 32) * (BS // 8) + jj, c * 64:(c + 1) * 64], barrier=kv_full,
                            leader_scope_threads=32)
         T.barrier_arrive(kv_full)
+
+    @T.macro
+    def delta_part(od, o_c, do_sh, c):
+        for h, d in T.Parallel(HB, DC):
+            od[h, d] += T.cast(o_c[h, d], f32) * T.cast(do_sh[h, c * DC + d], f32)
 
     @T.prim_func
     def sparse_attn_bwd(
@@ -322,6 +330,10 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             acc_dq = T.alloc_fragment([HB, dim], f32)
             acc_dkv = T.alloc_fragment([BS, DC], f32)
             od = T.alloc_fragment([HB, DC], f32)
+            o0 = T.alloc_fragment([HB, DC], bf16)
+            o1 = T.alloc_fragment([HB, DC], bf16)
+            o2 = T.alloc_fragment([HB, DC], bf16)
+            o3 = T.alloc_fragment([HB, DC], bf16)
             od_sum = T.alloc_fragment([HB], f32)
             lse_sh = T.alloc_shared([HB], f32)
             delta_sh = T.alloc_shared([HB], f32)
@@ -329,8 +341,8 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             in_full = T.alloc_barrier(arrive_count=256)
             tx = T.get_thread_binding()
 
-            # Q, dO and O by TMA, 64-column boxes spread over the warps' leaders (O into kv_sh, free until block
-            # 0's fetch: HB == BS rows); 1.6 % less time than the 48 synchronous 16-byte loads a thread of T.copy
+            # Q and dO by TMA, 64-column boxes spread over the warps' leaders (1.6 % less time than T.copy's
+            # synchronous 16-byte loads); O into registers and block 0's rows go out at the same time
             for cc in T.unroll(T.ceildiv(dim // 64, 8)):
                 c = cc * 8 + tx // 32
                 if c < dim // 64:
@@ -338,26 +350,34 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                                leader_scope_threads=32)
                     T.tma_copy(dO[b, s, h0:h0 + HB, c * 64:c * 64 + 64], do_sh[:, c * 64:c * 64 + 64], barrier=in_full,
                                leader_scope_threads=32)
-                    T.tma_copy(O[b, s, h0:h0 + HB, c * 64:c * 64 + 64], kv_sh[:, c * 64:c * 64 + 64], barrier=in_full,
-                               leader_scope_threads=32)
             T.barrier_arrive(in_full)
+            T.copy(O[b, s, h0:h0 + HB, 0:DC], o0)
+            if n_dc > 1:
+                T.copy(O[b, s, h0:h0 + HB, DC:2 * DC], o1)
+            if n_dc > 2:
+                T.copy(O[b, s, h0:h0 + HB, 2 * DC:3 * DC], o2)
+            if n_dc > 3:
+                T.copy(O[b, s, h0:h0 + HB, 3 * DC:4 * DC], o3)
+            fetch(KV, Idx, b, s, 0, kv_sh, kv_full, tx)
             for h in T.Parallel(HB):
                 lse_sh[h] = Lse[b, s, h0 + h]
             T.barrier_wait(in_full, 0)
             T.sync_threads()
             T.clear(od)                            # Delta = rowsum(O * dO) in fp32: the DC-column chunks' products
-            for c in T.unroll(dim // DC):          # summed in place first, then one row reduction (not one a chunk)
-                for h, d in T.Parallel(HB, DC):
-                    od[h, d] += T.cast(kv_sh[h, c * DC + d], f32) * T.cast(do_sh[h, c * DC + d], f32)
+            delta_part(od, o0, do_sh, 0)           # summed in place first, then one row reduction (not one a chunk)
+            if n_dc > 1:
+                delta_part(od, o1, do_sh, 1)
+            if n_dc > 2:
+                delta_part(od, o2, do_sh, 2)
+            if n_dc > 3:
+                delta_part(od, o3, do_sh, 3)
             T.reduce_sum(od, od_sum, dim=1)
             for h in T.Parallel(HB):
                 delta_sh[h] = od_sum[h]
-            T.fence_proxy_async()                          # kv_sh's generic reads before block 0's TMA writes
             T.sync_threads()
             for h in T.Parallel(HB):
                 Delta[b, s, h0 + h] = delta_sh[h]
             T.clear(acc_dq)
-            fetch(KV, Idx, b, s, 0, kv_sh, kv_full, tx)
             for i in T.serial(topk // BS):
                 T.barrier_wait(kv_full, i & 1)
                 T.gemm(q_sh, kv_sh, acc_p, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
