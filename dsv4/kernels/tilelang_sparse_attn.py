@@ -258,8 +258,8 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 
 
 def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
-    """Backward PrimFunc: (Q, KV, O, dO, Idx, Lse2[B,S,H] f32, dKV[B,N,D] f32 accumulated in place)
-    -> (dQ[B,S,H,D] bf16, Delta[B,S,H] f32 = sum_d O*dO). One CTA per (query, 64-head block), 256
+    """Backward PrimFunc: (Q, KV, O, dO, Idx, Lse2[B,S,H] f32, Sink[H] f32; dKV[B,N,D] f32 and dSink[H] f32
+    accumulated in place) -> dQ[B,S,H,D] bf16. One CTA per (query, 64-head block), 256
     threads, BWD_BLOCK rows a step. dKV rows are added with fp32 atomics (a KV row is shared by many
     queries), BWD_DKV_COLS columns at a time and straight from the accumulator registers (staging them
     through shared memory for 16-byte atomics measured 5 % slower): a 64-row block's whole dkv would
@@ -268,6 +268,8 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     of 64 x 128, before dq's accumulator is live), rather than by a separate pass over O and dO in fp32
     (which cost a quarter of the backward's time). With O kept out of kv_sh, block 0's fetch goes out with
     the Q and dO loads and lands under Delta (1-2 % less time than staging O in kv_sh and fetching after).
+    Each CTA adds its share of dsink (-Delta * exp2(sink - lse2), 64 fp32 atomics), which took a few
+    small torch kernels after this one.
 
     KV rows arrive by TMA, one 64-column box each: an index of -1 (or >= N) lies outside the tensor
     map, so TMA writes zeros and still counts the box's bytes toward the barrier. Block i+1 is fetched
@@ -313,9 +315,10 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         dO: T.Tensor([B, S, heads, dim], bf16),
         Idx: T.Tensor([B, S, topk], T.int32),
         Lse: T.Tensor([B, S, heads], f32),
+        Sink: T.Tensor([heads], f32),
         dKV: T.Tensor([B, N, dim], f32),
+        dSink: T.Tensor([heads], f32),
         dQ: T.Tensor([B, S, heads, dim], bf16),
-        Delta: T.Tensor([B, S, heads], f32),
     ):
         with T.Kernel(S * rep, B, threads=256) as (bx, b):
             s = bx // rep
@@ -376,7 +379,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                 delta_sh[h] = od_sum[h]
             T.sync_threads()
             for h in T.Parallel(HB):
-                Delta[b, s, h0 + h] = delta_sh[h]
+                T.atomic_add(dSink[h0 + h], -delta_sh[h] * T.exp2(Sink[h0 + h] * LOG2E - lse_sh[h]))
             T.clear(acc_dq)
             for i in T.serial(topk // BS):
                 T.barrier_wait(kv_full, i & 1)
@@ -422,7 +425,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 @functools.lru_cache(maxsize=None)
 def _compile(kind: str, heads: int, dim: int, topk: int, sm_scale: float, cfg: tuple):
     from . import tilelang_compile
-    program, out_idx = {"fwd": (fwd_program, [4, 5]), "bwd": (bwd_program, [7, 8])}[kind]
+    program, out_idx = {"fwd": (fwd_program, [4, 5]), "bwd": (bwd_program, [9])}[kind]
     return tilelang_compile(program(heads, dim, topk, sm_scale), out_idx, dict(cfg))
 
 
@@ -467,9 +470,9 @@ def _fwd(qp, kvb, sink, idx, sm_scale, pass_configs=None):
 def _bwd(qp, kvb, sink, idx, o, lse2, dop, sm_scale, pass_configs=None):
     """Returns dq (bf16, padded heads), dkv (fp32), dsink (fp32, padded heads)."""
     _, _, Hp, D = qp.shape
-    dkv = torch.zeros(kvb.shape, dtype=torch.float32, device=kvb.device)
-    dq, delta = bwd_kernel(Hp, D, idx.shape[-1], sm_scale, pass_configs)(qp, kvb, o, dop, idx, lse2, dkv)
-    dsink = -(delta * torch.exp2(sink * LOG2E - lse2)).sum((0, 1))
+    grads = torch.zeros(kvb.numel() + Hp, dtype=torch.float32, device=kvb.device)   # one memset for both sums
+    dkv, dsink = grads[:kvb.numel()].view(kvb.shape), grads[kvb.numel():]
+    dq = bwd_kernel(Hp, D, idx.shape[-1], sm_scale, pass_configs)(qp, kvb, o, dop, idx, lse2, sink, dkv, dsink)
     return dq, dkv, dsink
 
 

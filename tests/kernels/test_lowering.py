@@ -29,6 +29,7 @@ def test_sparse_attn_fwd_lowers_warp_specialized_with_zero_fill_gather():
     # padded slots must be zero-filled by a predicated copy, never loaded from KV[-1]
     assert "cp_async_gs_conditional" in src, "KV gather is no longer a predicated (zero-fill) cp.async"
     assert "warpgroup_reg_alloc" in src and "warpgroup_reg_dealloc" in src
+    assert "tma_load(Q_desc" in src, "forward no longer loads Q by TMA beside block 0's gather"
 
 
 @pytest.mark.parametrize("heads,dim,topk", [(128, 512, 1024), (64, 128, 128)])
@@ -45,6 +46,9 @@ def test_sparse_attn_bwd_lowers_without_aggressive_merge():
     # KV rows by TMA: padding (-1) must stay an out-of-bounds box that TMA zero-fills, never a clamped row
     assert "tma_load" in src and "expect_transaction" in src, "backward no longer gathers KV rows by TMA"
     assert "tma_store" in src, "backward no longer writes dQ with a TMA store"
+    assert "tma_load(Q_desc" in src and "tma_load(dO_desc" in src, "backward no longer loads Q and dO by TMA"
+    assert "tma_load(O_desc" not in src, "backward stages O in shared memory again (block 0's fetch would wait for Delta)"
+    assert "AtomicAdd((&(dSink" in src, "backward no longer accumulates dsink in the kernel"
     # barriers are placed by hand: three in the step loop (before P/dS are written, before and after the dq
     # GEMM); the automatic pass would put five there
     loop = src[src.index("kv_full[0].wait("):src.rindex("AtomicAdd")]
