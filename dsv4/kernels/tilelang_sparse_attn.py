@@ -42,10 +42,11 @@ TOPK_MULTIPLE = 2 * FWD_BLOCK   # the forward consumes stages in pairs
 # warpgroup 0 the same named-barrier id (3), and the two then release each other's bar.sync (a hang).
 FWD_PASS_CONFIGS: dict[str, object] = {"tl.disable_thread_storage_sync": True}
 WG0_BAR, WG1_BAR = 1, 2  # named barriers (bar.sync id, 128 threads) of warpgroups 0 and 1
-# The backward places its own barriers too (3 a step where the automatic pass put 5), and its global accesses
-# are in bounds by construction (grid = S x B; an index is checked before it addresses dKV; TMA fills
-# out-of-range rows), so the bounds checks TileLang's safe-memory pass would add are switched off; the two
-# together measured 1-2 % faster.
+# The backward is warp-specialized by hand and synchronizes with mbarriers (TileLang's own warp
+# specialization and storage-sync passes off), and its global accesses are in bounds by construction
+# (grid = S x B; an index is checked before it addresses dKV; TMA fills out-of-range rows), so the bounds
+# checks TileLang's safe-memory pass would add are switched off (they put a branch and a recomputed
+# address in front of every atomic).
 BWD_PASS_CONFIGS: dict[str, object] = {
     "tl.enable_aggressive_shared_memory_merge": False,
     "tl.disable_warp_specialized": True,
@@ -259,46 +260,47 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 
 def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     """Backward PrimFunc: (Q, KV, O, dO, Idx, Lse2[B,S,H] f32, Sink[H] f32; dKV[B,N,D] f32 and dSink[H] f32
-    accumulated in place) -> dQ[B,S,H,D] bf16. One CTA per (query, 64-head block), 256
-    threads, BWD_BLOCK rows a step. dKV rows are added with fp32 atomics (a KV row is shared by many
-    queries), BWD_DKV_COLS columns at a time and straight from the accumulator registers (staging them
-    through shared memory for 16-byte atomics measured 5 % slower): a 64-row block's whole dkv would
-    not fit in registers next to dq, and 64 rows (not 32) let its GEMMs run as wgmma. Delta is
-    computed here, from the dO tile already in shared memory and O loaded into registers (dim/128 fragments
-    of 64 x 128, before dq's accumulator is live), rather than by a separate pass over O and dO in fp32
-    (which cost a quarter of the backward's time). With O kept out of kv_sh, block 0's fetch goes out with
-    the Q and dO loads and lands under Delta (1-2 % less time than staging O in kv_sh and fetching after).
-    Each CTA adds its share of dsink (-Delta * exp2(sink - lse2), 64 fp32 atomics), which took a few
-    small torch kernels after this one.
+    accumulated in place) -> dQ[B,S,H,D] bf16. One CTA per (query, 64-head block), 256 threads, BWD_BLOCK
+    KV rows a step.
 
-    KV rows arrive by TMA, one 64-column box each: an index of -1 (or >= N) lies outside the tensor
-    map, so TMA writes zeros and still counts the box's bytes toward the barrier. Block i+1 is fetched
-    as soon as block i's dq GEMM has read kv_sh and lands under block i's dkv GEMMs and atomics
-    (no second buffer: 2 stages do not fit next to Q and dO); at V4-Flash 3.84 ms against 4.20 for
-    a cp.async gather at the top of each step, same run.
+    Warp-specialized: warpgroup 0 computes S, P, dP and dS (n64 GEMMs) and dq[:, :D/2]; warpgroup 1
+    computes dq[:, D/2:] and dkv, and issues every dkv atomic. P and dS pass through two shared-memory
+    buffers, so warpgroup 0 scores block i+1 while warpgroup 1 still adds block i's dkv: the fp32 atomics
+    (5.4 GB into L2 at V4-Flash; without them the kernel ran in 1.97 ms, with them in 3.5-3.6 when both
+    warpgroups did every step together) now overlap the tensor work (3.34-3.40 ms against 3.51-3.57).
+    dkv rows are added straight from the accumulator registers, 8 bytes a thread, BWD_DKV_COLS columns at a
+    time (a block's whole dkv would not fit beside dq). Warpgroup 0 issues the S and dP GEMMs interleaved in
+    64-column K chunks: as two whole GEMMs ptxas kept every wgmma descriptor of the first for the second
+    and spilled 660 bytes (this way 264 remain, in descriptors reused between a pair's two blocks).
 
-    Barriers are placed by hand, three a step: before P and dS are written (the previous step's dkv GEMMs
-    of both warpgroups have read p_sh/ds_sh; placed there rather than at the top of the step, one warpgroup's
-    S and dP GEMMs may run while the other still issues atomics), before the dq GEMM, and after it."""
+    KV rows arrive by TMA, one 64-column box each, each warp's leader 8 rows: an index of -1 (or >= N) lies
+    outside the tensor map, so TMA writes zeros and still counts the box's bytes toward the barrier. Block
+    i+1 is fetched (by both warpgroups, half the rows each) once both dq GEMMs have read block i.
+    The CTA starts with Q and dO by TMA, O into registers (dim/128 fragments of 64 x 128) and block 0's
+    rows, all at once; Delta = rowsum(O * dO) in fp32 follows while block 0 lands (a separate fp32 pass over
+    O and dO once cost a quarter of the backward's time), and each CTA adds its share of dsink
+    (-Delta * exp2(sink - lse2), 64 fp32 atomics). dQ leaves through q_sh as one TMA store."""
     import tilelang.language as T
 
-    assert heads % HEAD_BLOCK == 0 and dim % BWD_DKV_COLS == 0 and topk % BWD_BLOCK == 0
-    assert BWD_DKV_COLS % 64 == 0 and BWD_BLOCK % 8 == 0     # 64-column TMA boxes; 8 warps fetch
+    assert heads % HEAD_BLOCK == 0 and dim % BWD_DKV_COLS == 0 and topk % (2 * BWD_BLOCK) == 0
+    assert BWD_DKV_COLS % 64 == 0 and BWD_BLOCK % 8 == 0 and dim % 128 == 0
     B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
     HB, BS, DC = HEAD_BLOCK, BWD_BLOCK, BWD_DKV_COLS
+    D2 = dim // 2
     n_dc = dim // DC
+    n_blk = topk // BS
     assert n_dc <= 4, f"dim={dim}: O is held in registers for Delta as at most 4 chunks of {DC} columns"
     rep = heads // HB
     scale2 = sm_scale * LOG2E
     bf16, f32 = T.bfloat16, T.float32
 
     @T.macro
-    def fetch(KV, Idx, b, s, i, kv_sh, kv_full, tx):
-        # block i's rows into kv_sh: each warp's leader issues BS/8 rows, dim/64 boxes a row
-        for jj in T.serial(BS // 8):
+    def fetch(KV, Idx, b, s, i, kv_sh, kv_full, tx, first_row, rows_per_warp):
+        # rows first_row + rows_per_warp * (warp % 4) + ... of block i into kv_sh: each warp's leader, dim/64 boxes a row
+        for jj in T.serial(rows_per_warp):
             for c in T.unroll(dim // 64):
-                T.tma_copy(KV[b, Idx[b, s, i * BS + (tx // 32) * (BS // 8) + jj], c * 64:(c + 1) * 64],
-                           kv_sh[(tx // 32) * (BS // 8) + jj, c * 64:(c + 1) * 64], barrier=kv_full,
+                T.tma_copy(KV[b, Idx[b, s, i * BS + first_row + (tx // 32 % 4) * rows_per_warp + jj], c * 64:(c + 1) * 64],
+                           kv_sh[first_row + (tx // 32 % 4) * rows_per_warp + jj, c * 64:(c + 1) * 64], barrier=kv_full,
                            leader_scope_threads=32)
         T.barrier_arrive(kv_full)
 
@@ -306,6 +308,55 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     def delta_part(od, o_c, do_sh, c):
         for h, d in T.Parallel(HB, DC):
             od[h, d] += T.cast(o_c[h, d], f32) * T.cast(do_sh[h, c * DC + d], f32)
+
+    @T.macro
+    def scores(KV, Idx, N, b, s, i, tx, q_sh, do_sh, kv_sh, lse_sh, delta_sh, acc_p, acc_dp, ds_loc, acc_dq_l,
+               p_b, ds_b, pds_full, pds_empty, ph, kv_full, kv_empty):
+        # warpgroup 0, block i: S and dP (interleaved K chunks: see the docstring), P, dS, dq[:, :D/2]
+        T.barrier_wait(kv_full, i & 1)
+        T.clear(acc_p)
+        T.clear(acc_dp)
+        for kc in T.unroll(dim // 64):
+            T.wgmma_gemm(q_sh[:, kc * 64:(kc + 1) * 64], kv_sh[:, kc * 64:(kc + 1) * 64], acc_p, transpose_B=True,
+                         policy=T.GemmWarpPolicy.FullRow)
+            T.wgmma_gemm(do_sh[:, kc * 64:(kc + 1) * 64], kv_sh[:, kc * 64:(kc + 1) * 64], acc_dp, transpose_B=True,
+                         policy=T.GemmWarpPolicy.FullRow)
+        T.wait_wgmma(0)
+        for h, j in T.Parallel(HB, BS):
+            acc_p[h, j] = T.if_then_else(valid(Idx[b, s, i * BS + j], N), T.exp2(acc_p[h, j] * scale2 - lse_sh[h]), 0)
+        for h, j in T.Parallel(HB, BS):
+            acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_sh[h]) * sm_scale
+        T.copy(acc_dp, ds_loc)
+        T.barrier_wait(pds_empty, ph ^ 1)             # warpgroup 1 is done with this buffer (block i-2)
+        T.copy(acc_p, p_b)
+        T.copy(ds_loc, ds_b)
+        T.fence_proxy_async()                         # read by warpgroup 1's wgmma (async proxy)
+        T.barrier_arrive(pds_full)
+        T.gemm(ds_loc, kv_sh[:, 0:D2], acc_dq_l, policy=T.GemmWarpPolicy.FullRow)
+        T.barrier_arrive(kv_empty)
+        if i + 1 < n_blk:
+            T.barrier_wait(kv_empty, i & 1)           # warpgroup 1's dq GEMM has read block i too
+            fetch(KV, Idx, b, s, i + 1, kv_sh, kv_full, tx, 0, BS // 8)
+
+    @T.macro
+    def dkv_step(KV, Idx, N, b, s, i, tx, q_sh, do_sh, kv_sh, acc_dq_r, acc_dkv, dKV, p_b, ds_b, pds_full,
+                 pds_empty, ph, kv_full, kv_empty):
+        # warpgroup 1, block i: dq[:, D/2:], then dkv and its atomics while warpgroup 0 scores block i+1
+        T.barrier_wait(kv_full, i & 1)
+        T.barrier_wait(pds_full, ph)
+        T.gemm(ds_b, kv_sh[:, D2:dim], acc_dq_r, policy=T.GemmWarpPolicy.FullRow)
+        T.barrier_arrive(kv_empty)
+        if i + 1 < n_blk:
+            T.barrier_wait(kv_empty, i & 1)
+            fetch(KV, Idx, b, s, i + 1, kv_sh, kv_full, tx, BS // 2, BS // 8)
+        for c in T.unroll(dim // DC):
+            T.gemm(ds_b, q_sh[:, c * DC:(c + 1) * DC], acc_dkv, transpose_A=True, clear_accum=True,
+                   policy=T.GemmWarpPolicy.FullRow)
+            T.gemm(p_b, do_sh[:, c * DC:(c + 1) * DC], acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+            for j, d2 in T.Parallel(BS, DC // 2):     # straight from the accumulators, 8 bytes a thread
+                if T.Cast("uint32", Idx[b, s, i * BS + j]) < T.Cast("uint32", N):   # 0 <= idx < N
+                    T.atomic_addx2(dKV[b, Idx[b, s, i * BS + j], c * DC + d2 * 2], acc_dkv[j, d2 * 2])
+        T.barrier_arrive(pds_empty)
 
     @T.prim_func
     def sparse_attn_bwd(
@@ -326,11 +377,15 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             q_sh = T.alloc_shared([HB, dim], bf16)
             do_sh = T.alloc_shared([HB, dim], bf16)
             kv_sh = T.alloc_shared([BS, dim], bf16)
-            p_sh = T.alloc_shared([HB, BS], bf16)
-            ds_sh = T.alloc_shared([HB, BS], bf16)
+            p0 = T.alloc_shared([HB, BS], bf16)
+            ds0 = T.alloc_shared([HB, BS], bf16)
+            p1 = T.alloc_shared([HB, BS], bf16)
+            ds1 = T.alloc_shared([HB, BS], bf16)
             acc_p = T.alloc_fragment([HB, BS], f32)
             acc_dp = T.alloc_fragment([HB, BS], f32)
-            acc_dq = T.alloc_fragment([HB, dim], f32)
+            ds_loc = T.alloc_fragment([HB, BS], bf16)
+            acc_dq_l = T.alloc_fragment([HB, D2], f32)
+            acc_dq_r = T.alloc_fragment([HB, D2], f32)
             acc_dkv = T.alloc_fragment([BS, DC], f32)
             od = T.alloc_fragment([HB, DC], f32)
             o0 = T.alloc_fragment([HB, DC], bf16)
@@ -342,10 +397,15 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             delta_sh = T.alloc_shared([HB], f32)
             kv_full = T.alloc_barrier(arrive_count=256)
             in_full = T.alloc_barrier(arrive_count=256)
+            kv_empty = T.alloc_barrier(arrive_count=256)
+            pds_full0 = T.alloc_barrier(arrive_count=128)
+            pds_full1 = T.alloc_barrier(arrive_count=128)
+            pds_empty0 = T.alloc_barrier(arrive_count=128)
+            pds_empty1 = T.alloc_barrier(arrive_count=128)
             tx = T.get_thread_binding()
 
-            # Q and dO by TMA, 64-column boxes spread over the warps' leaders (1.6 % less time than T.copy's
-            # synchronous 16-byte loads); O into registers and block 0's rows go out at the same time
+            # Q and dO by TMA, 64-column boxes spread over the warps' leaders; O into registers and block 0's
+            # rows (8 a warp) go out at the same time
             for cc in T.unroll(T.ceildiv(dim // 64, 8)):
                 c = cc * 8 + tx // 32
                 if c < dim // 64:
@@ -361,7 +421,12 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                 T.copy(O[b, s, h0:h0 + HB, 2 * DC:3 * DC], o2)
             if n_dc > 3:
                 T.copy(O[b, s, h0:h0 + HB, 3 * DC:4 * DC], o3)
-            fetch(KV, Idx, b, s, 0, kv_sh, kv_full, tx)
+            for jj in T.serial(BS // 8):
+                for c in T.unroll(dim // 64):
+                    T.tma_copy(KV[b, Idx[b, s, (tx // 32) * (BS // 8) + jj], c * 64:(c + 1) * 64],
+                               kv_sh[(tx // 32) * (BS // 8) + jj, c * 64:(c + 1) * 64], barrier=kv_full,
+                               leader_scope_threads=32)
+            T.barrier_arrive(kv_full)
             for h in T.Parallel(HB):
                 lse_sh[h] = Lse[b, s, h0 + h]
             T.barrier_wait(in_full, 0)
@@ -380,37 +445,26 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             T.sync_threads()
             for h in T.Parallel(HB):
                 T.atomic_add(dSink[h0 + h], -delta_sh[h] * T.exp2(Sink[h0 + h] * LOG2E - lse_sh[h]))
-            T.clear(acc_dq)
-            for i in T.serial(topk // BS):
-                T.barrier_wait(kv_full, i & 1)
-                T.gemm(q_sh, kv_sh, acc_p, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                for h, j in T.Parallel(HB, BS):
-                    acc_p[h, j] = T.if_then_else(valid(Idx[b, s, i * BS + j], N),
-                                                 T.exp2(acc_p[h, j] * scale2 - lse_sh[h]), 0)
-                T.gemm(do_sh, kv_sh, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                for h, j in T.Parallel(HB, BS):
-                    acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_sh[h]) * sm_scale
-                T.sync_threads()                           # both warpgroups' dkv GEMMs of block i-1 are done
-                T.copy(acc_p, p_sh)
-                T.copy(acc_dp, ds_sh)
-                T.fence_proxy_async()
-                T.sync_threads()
-                T.gemm(ds_sh, kv_sh, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                T.sync_threads()                           # every warp's dq GEMM has read kv_sh
-                if i + 1 < topk // BS:
-                    fetch(KV, Idx, b, s, i + 1, kv_sh, kv_full, tx)
-                for c in T.unroll(dim // DC):
-                    T.gemm(ds_sh, q_sh[:, c * DC:(c + 1) * DC], acc_dkv, transpose_A=True, clear_accum=True,
-                           policy=T.GemmWarpPolicy.FullCol)
-                    T.gemm(p_sh, do_sh[:, c * DC:(c + 1) * DC], acc_dkv, transpose_A=True,
-                           policy=T.GemmWarpPolicy.FullCol)
-                    for j, d2 in T.Parallel(BS, DC // 2):     # straight from the accumulators, 8 bytes a thread
-                        if T.Cast("uint32", Idx[b, s, i * BS + j]) < T.Cast("uint32", N):   # 0 <= idx < N
-                            T.atomic_addx2(dKV[b, Idx[b, s, i * BS + j], c * DC + d2 * 2], acc_dkv[j, d2 * 2])
-            # dQ leaves through q_sh (the last dkv GEMM has read it) as one TMA store: written straight from
-            # the accumulator layout it used half of each 32-byte sector (3.70 vs 3.78 ms at V4-Flash)
-            T.sync_threads()                               # every dkv GEMM has read q_sh
-            T.copy(acc_dq, q_sh)
+            if tx < 128:
+                T.clear(acc_dq_l)
+                for k in T.serial(n_blk // 2):
+                    scores(KV, Idx, N, b, s, 2 * k, tx, q_sh, do_sh, kv_sh, lse_sh, delta_sh, acc_p, acc_dp, ds_loc,
+                           acc_dq_l, p0, ds0, pds_full0, pds_empty0, k & 1, kv_full, kv_empty)
+                    scores(KV, Idx, N, b, s, 2 * k + 1, tx, q_sh, do_sh, kv_sh, lse_sh, delta_sh, acc_p, acc_dp, ds_loc,
+                           acc_dq_l, p1, ds1, pds_full1, pds_empty1, k & 1, kv_full, kv_empty)
+            else:
+                T.clear(acc_dq_r)
+                for k in T.serial(n_blk // 2):
+                    dkv_step(KV, Idx, N, b, s, 2 * k, tx, q_sh, do_sh, kv_sh, acc_dq_r, acc_dkv, dKV, p0, ds0,
+                             pds_full0, pds_empty0, k & 1, kv_full, kv_empty)
+                    dkv_step(KV, Idx, N, b, s, 2 * k + 1, tx, q_sh, do_sh, kv_sh, acc_dq_r, acc_dkv, dKV, p1, ds1,
+                             pds_full1, pds_empty1, k & 1, kv_full, kv_empty)
+            # dQ leaves through q_sh (every dkv GEMM has read it) as one TMA store
+            T.sync_threads()
+            if tx < 128:
+                T.copy(acc_dq_l, q_sh[:, 0:D2])
+            else:
+                T.copy(acc_dq_r, q_sh[:, D2:dim])
             T.fence_proxy_async()
             T.sync_threads()
             T.copy(q_sh, dQ[b, s, h0:h0 + HB, :])
