@@ -32,8 +32,8 @@ LOG2E = 1.4426950408889634
 HEAD_BLOCK = 64          # heads per CTA: the wgmma M dimension
 FWD_BLOCK = 64           # KV rows per pipeline stage in the forward
 BWD_BLOCK = 64           # KV rows per step in the backward: the dkv GEMMs' M (wgmma needs 64)
-BWD_DKV_COLS = 128       # dkv columns computed and added at a time (registers next to dq's 64 x D)
-TOPK_MULTIPLE = 2 * FWD_BLOCK   # the forward consumes stages in pairs
+BWD_DKV_COLS = 128       # dkv columns computed and added at a time (registers next to dq's 64 x D/2)
+TOPK_MULTIPLE = 2 * FWD_BLOCK   # the forward consumes stages in pairs, the backward P/dS buffers
 
 # TileLang pass configs, keyed by their string names so they mean the same thing across tilelang
 # versions. The backward must never run with aggressive shared-memory merge: on tilelang 0.1.9-0.1.10
