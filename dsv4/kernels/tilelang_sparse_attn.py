@@ -421,12 +421,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                 T.copy(O[b, s, h0:h0 + HB, 2 * DC:3 * DC], o2)
             if n_dc > 3:
                 T.copy(O[b, s, h0:h0 + HB, 3 * DC:4 * DC], o3)
-            for jj in T.serial(BS // 8):
-                for c in T.unroll(dim // 64):
-                    T.tma_copy(KV[b, Idx[b, s, (tx // 32) * (BS // 8) + jj], c * 64:(c + 1) * 64],
-                               kv_sh[(tx // 32) * (BS // 8) + jj, c * 64:(c + 1) * 64], barrier=kv_full,
-                               leader_scope_threads=32)
-            T.barrier_arrive(kv_full)
+            fetch(KV, Idx, b, s, 0, kv_sh, kv_full, tx, (tx // 128) * (BS // 2), BS // 8)
             for h in T.Parallel(HB):
                 lse_sh[h] = Lse[b, s, h0 + h]
             T.barrier_wait(in_full, 0)
