@@ -295,12 +295,13 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     bf16, f32 = T.bfloat16, T.float32
 
     @T.macro
-    def fetch(KV, Idx, b, s, i, kv_sh, kv_full, tx, first_row, rows_per_warp):
-        # rows first_row + rows_per_warp * (warp % 4) + ... of block i into kv_sh: each warp's leader, dim/64 boxes a row
-        for jj in T.serial(rows_per_warp):
+    def fetch(KV, Idx, b, s, i, kv_sh, kv_full, tx, first_row):
+        # a warpgroup's half of block i (rows first_row ... first_row + BS/2) into kv_sh: each warp's leader
+        # BS/8 rows, dim/64 boxes a row
+        for jj in T.serial(BS // 8):
             for c in T.unroll(dim // 64):
-                T.tma_copy(KV[b, Idx[b, s, i * BS + first_row + (tx // 32 % 4) * rows_per_warp + jj], c * 64:(c + 1) * 64],
-                           kv_sh[first_row + (tx // 32 % 4) * rows_per_warp + jj, c * 64:(c + 1) * 64], barrier=kv_full,
+                T.tma_copy(KV[b, Idx[b, s, i * BS + first_row + (tx // 32 % 4) * (BS // 8) + jj], c * 64:(c + 1) * 64],
+                           kv_sh[first_row + (tx // 32 % 4) * (BS // 8) + jj, c * 64:(c + 1) * 64], barrier=kv_full,
                            leader_scope_threads=32)
         T.barrier_arrive(kv_full)
 
@@ -336,7 +337,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         T.barrier_arrive(kv_empty)
         if i + 1 < n_blk:
             T.barrier_wait(kv_empty, i & 1)           # warpgroup 1's dq GEMM has read block i too
-            fetch(KV, Idx, b, s, i + 1, kv_sh, kv_full, tx, 0, BS // 8)
+            fetch(KV, Idx, b, s, i + 1, kv_sh, kv_full, tx, 0)
 
     @T.macro
     def dkv_step(KV, Idx, N, b, s, i, tx, q_sh, do_sh, kv_sh, acc_dq_r, acc_dkv, dKV, p_b, ds_b, pds_full,
@@ -348,7 +349,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         T.barrier_arrive(kv_empty)
         if i + 1 < n_blk:
             T.barrier_wait(kv_empty, i & 1)
-            fetch(KV, Idx, b, s, i + 1, kv_sh, kv_full, tx, BS // 2, BS // 8)
+            fetch(KV, Idx, b, s, i + 1, kv_sh, kv_full, tx, BS // 2)
         for c in T.unroll(dim // DC):
             T.gemm(ds_b, q_sh[:, c * DC:(c + 1) * DC], acc_dkv, transpose_A=True, clear_accum=True,
                    policy=T.GemmWarpPolicy.FullRow)
@@ -421,7 +422,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                 T.copy(O[b, s, h0:h0 + HB, 2 * DC:3 * DC], o2)
             if n_dc > 3:
                 T.copy(O[b, s, h0:h0 + HB, 3 * DC:4 * DC], o3)
-            fetch(KV, Idx, b, s, 0, kv_sh, kv_full, tx, (tx // 128) * (BS // 2), BS // 8)
+            fetch(KV, Idx, b, s, 0, kv_sh, kv_full, tx, (tx // 128) * (BS // 2))
             for h in T.Parallel(HB):
                 lse_sh[h] = Lse[b, s, h0 + h]
             T.barrier_wait(in_full, 0)
