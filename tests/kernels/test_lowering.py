@@ -49,9 +49,11 @@ def test_sparse_attn_bwd_lowers_without_aggressive_merge():
     assert "tma_load(Q_desc" in src and "tma_load(dO_desc" in src, "backward no longer loads Q and dO by TMA"
     assert "tma_load(O_desc" not in src, "backward stages O in shared memory again (block 0's fetch would wait for Delta)"
     assert "AtomicAdd((&(dSink" in src, "backward no longer accumulates dsink in the kernel"
+    # dkv leaves the accumulators 16 bytes a lane (two lanes swap a pair first), not as two 8-byte atomics
+    assert "v4_dkv_red4<" in src and "red.global.add.v4.f32" in src and "AtomicAddx2" not in src
     # warp-specialized: the steps synchronize through mbarriers only, so warpgroup 0 can score block i+1 while
     # warpgroup 1 still adds block i's dkv; a CTA-wide barrier in the loop would serialize them again
-    loop = src[src.index("kv_full[0].wait("):src.rindex("AtomicAdd")]
+    loop = src[src.index("kv_full[0].wait("):src.rindex("v4_dkv_red4<")]
     assert "__syncthreads()" not in loop, "a CTA-wide barrier is back in the backward's step loop"
     assert "pds_full1[0].wait(" in loop, "P and dS are no longer double-buffered between the warpgroups"
 
