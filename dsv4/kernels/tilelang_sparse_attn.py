@@ -301,11 +301,11 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     computes dq[:, D/2:] and dkv, and issues every dkv atomic. P and dS pass through two shared-memory
     buffers, so warpgroup 0 scores block i+1 while warpgroup 1 still adds block i's dkv: the fp32 atomics
     (5.4 GB into L2 at V4-Flash; without them the kernel ran in 1.97 ms, with them in 3.5-3.6 when both
-    warpgroups did every step together) now overlap the tensor work (3.34-3.40 ms against 3.51-3.57).
-    dkv rows are added straight from the accumulator registers, 16 bytes a lane (DKV_RED4), BWD_DKV_COLS columns at a
-    time (a block's whole dkv would not fit beside dq). Warpgroup 0 issues the S and dP GEMMs interleaved in
-    64-column K chunks: as two whole GEMMs ptxas kept every wgmma descriptor of the first for the second
-    and spilled 660 bytes (this way 264 remain, in descriptors reused between a pair's two blocks).
+    warpgroups did every step together) now overlap the tensor work (3.34-3.40 ms against 3.51-3.57, both
+    with 8-byte atomics). dkv rows are added straight from the accumulator registers, 16 bytes a lane
+    (DKV_RED4; 2.93-3.02 ms), BWD_DKV_COLS columns at a time (a block's whole dkv would not fit beside dq).
+    Warpgroup 0 issues the S and dP GEMMs interleaved in 64-column K chunks: as two whole GEMMs ptxas kept
+    every wgmma descriptor of the first for the second and spilled 660 bytes (this way 236 remain).
 
     KV rows arrive by TMA, one 64-column box each, each warp's leader 8 rows: an index of -1 (or >= N) lies
     outside the tensor map, so TMA writes zeros and still counts the box's bytes toward the barrier. Block
