@@ -4,7 +4,9 @@ Usage: python - record|status|stop LOCAL_DIR  (script on stdin; prints JSON)
 
 Every process of a launcher-started Ray carries V4_RAY_SESSION=<token> in its environment (set
 before `ray start`; Ray's daemons and workers inherit it). That token, not a process name, is
-what makes a process ours: another user's Ray on the same host never carries it.
+what makes a process ours: another user's Ray on the same host never carries it. The one
+exception is what raylet starts with a minimal environment (its dashboard and runtime-env
+agents): `stop` takes those as the descendants of the recorded daemons, before it signals any.
 """
 import json
 import os
@@ -45,6 +47,26 @@ def proc_name(pid):
         if a == "-c":
             return "python -c"
     return comm
+
+
+def descendants(roots):
+    """PIDs below `roots` in the process tree (children, their children, ...)."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), list(roots)
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
 
 
 def marked(token):
@@ -113,8 +135,10 @@ def stop(local_dir, grace=5.0):
     if rec is None:
         return {"recorded": False, "stopped": [], "remaining": []}
     token = rec["session"]
-    # Recorded processes (start time checked) plus anything else carrying our token (workers).
-    targets = {p["pid"] for p in rec["procs"] if alive(p)} | set(marked(token))
+    # Recorded processes (start time checked), what they started (raylet's agents carry no token: left
+    # alone they outlived the raylet by minutes), and anything else carrying our token (workers).
+    live = {p["pid"] for p in rec["procs"] if alive(p)}
+    targets = live | descendants(live) | set(marked(token))
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in sorted(targets):
             try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tagged_pids
+from conftest import child_procs, still_running, tagged_pids
 from launcher import cluster, jobs, preflight, registry
 from launcher.config import Selection, resolve
 from launcher.plan import JobSpec
@@ -113,10 +113,15 @@ def test_local_down_scoped_and_complete(local_cfg):
     other = resolve(Selection(cluster="local", hw="cpu", sets=(*local_cfg.selection.sets, f"V4_RAY_PORT={_free_port()}")))
     assert [r["recorded"] for r in cluster.down(other)] == [False]
     assert cluster.status(local_cfg).healthy
-    token = json.loads(Path(cluster.cluster_commands(local_cfg)[0].state_dir, "ray_procs.json").read_text())["session"]
+    rec = json.loads(Path(cluster.cluster_commands(local_cfg)[0].state_dir, "ray_procs.json").read_text())
+    token = rec["session"]
     assert tagged_pids(f"V4_RAY_SESSION={token}")
+    # raylet starts its agents (dashboard, runtime env) with a minimal environment: they carry no token
+    raylet_children = child_procs(next(p["pid"] for p in rec["procs"] if p["name"] == "raylet"))
+    assert raylet_children, "raylet has no child processes: nothing to check"
     reports = cluster.down(local_cfg)
     assert reports[0]["ok"] and reports[0]["recorded"]
     assert tagged_pids(f"V4_RAY_SESSION={token}") == []
+    assert still_running(raylet_children) == [], "processes raylet started outlive `cluster down`"
     st = cluster.status(local_cfg)
     assert not st.healthy and not st.nodes[0].recorded
