@@ -4,9 +4,10 @@ Usage: python - record|status|stop LOCAL_DIR  (script on stdin; prints JSON)
 
 Every process of a launcher-started Ray carries V4_RAY_SESSION=<token> in its environment (set
 before `ray start`; Ray's daemons and workers inherit it). That token, not a process name, is
-what makes a process ours: another user's Ray on the same host never carries it. The one
-exception is what raylet starts with a minimal environment (its dashboard and runtime-env
-agents): `stop` takes those as the descendants of the recorded daemons, before it signals any.
+what makes a process ours: another user's Ray on the same host never carries it. The exception:
+raylet's dashboard and runtime-env agents, whose /proc/PID/environ showed the token after some
+starts and not after others (then about 11 variables); `stop` also takes everything below the
+recorded daemons in the process tree, before it signals any.
 """
 import json
 import os
@@ -135,8 +136,8 @@ def stop(local_dir, grace=5.0):
     if rec is None:
         return {"recorded": False, "stopped": [], "remaining": []}
     token = rec["session"]
-    # Recorded processes (start time checked), what they started (raylet's agents carry no token: left
-    # alone they outlived the raylet by minutes), and anything else carrying our token (workers).
+    # Recorded processes (start time checked), what they started (raylet's agents do not always show the
+    # token: missed, they outlived the raylet by minutes), and anything else carrying our token (workers).
     live = {p["pid"] for p in rec["procs"] if alive(p)}
     targets = live | descendants(live) | set(marked(token))
     for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -1,6 +1,6 @@
 """`ray_procs stop` with real processes: a daemon that carries the session token and a child it starts with
-a clean environment, the way raylet starts its dashboard and runtime-env agents (their /proc environ does
-not show the token, so only the process tree ties them to us)."""
+a clean environment, standing in for raylet's dashboard and runtime-env agents (whose /proc environ does
+not always show the token; then only the process tree ties them to us)."""
 from __future__ import annotations
 
 import json
