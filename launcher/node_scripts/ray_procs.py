@@ -67,6 +67,7 @@ def descendants(roots):
             if c not in out:
                 out.add(c)
                 todo.append(c)
+    out.discard(os.getpid())       # as in `marked`: never this script itself
     return out
 
 
