@@ -19,15 +19,15 @@ RECORD = "ray_procs.json"
 
 
 def proc_stat(pid):
-    """(state, start time in clock ticks since boot) from /proc/PID/stat; the start time guards
-    against PID reuse."""
+    """(state, parent PID, start time in clock ticks since boot) from /proc/PID/stat; the start time
+    guards against PID reuse."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return fields[0], int(fields[19])
+    return fields[0], int(fields[1]), int(fields[19])
 
 
 def proc_start(pid):
-    return proc_stat(pid)[1]
+    return proc_stat(pid)[2]
 
 
 def proc_name(pid):
@@ -56,8 +56,7 @@ def descendants(roots):
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                ppid = proc_stat(d)[1]
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d))
@@ -89,7 +88,7 @@ def marked(token):
 def alive(p):
     """Still running: same start time (not a reused PID) and not a zombie nobody reaped."""
     try:
-        state, start = proc_stat(p["pid"])
+        state, _, start = proc_stat(p["pid"])
     except (OSError, IndexError, ValueError):
         return False
     return start == p["start"] and state != "Z"

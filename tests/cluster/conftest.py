@@ -10,34 +10,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from netns import NetnsCluster, missing_requirements  # noqa: E402
 
 
-def child_procs(parent: int) -> dict[int, int]:
-    """{pid: start time} of `parent`'s direct children (the start time tells a PID reused later apart)."""
-    import os
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent:
-                out[int(d)] = int(fields[19])
-    return out
-
-
-def still_running(procs: dict[int, int]) -> list[int]:
-    """Which of {pid: start time} still run (not exited, not a zombie, not a reused PID)."""
-    out = []
-    for pid, start in procs.items():
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[19]) == start:
-            out.append(pid)
-    return out
-
-
 @pytest.fixture(scope="session")
 def netns_cluster():
     """Three hosts 10.200.N.2-4 on a bridge, torn down by PID and by namespace, even on failure."""

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_procs, still_running, tagged_pids
+from conftest import tagged_pids
 from launcher import cluster, jobs, preflight, registry
+from launcher.node_scripts import ray_procs
 from launcher.config import Selection, resolve
 from launcher.plan import JobSpec
 
@@ -117,11 +118,17 @@ def test_local_down_scoped_and_complete(local_cfg):
     token = rec["session"]
     assert tagged_pids(f"V4_RAY_SESSION={token}")
     # raylet's agents (dashboard, runtime env) do not always show the token in /proc/PID/environ
-    raylet_children = child_procs(next(p["pid"] for p in rec["procs"] if p["name"] == "raylet"))
-    assert raylet_children, "raylet has no child processes: nothing to check"
+    raylet = next(p["pid"] for p in rec["procs"] if p["name"] == "raylet")
+    below_raylet = []
+    for pid in ray_procs.descendants([raylet]):
+        try:
+            below_raylet.append({"pid": pid, "start": ray_procs.proc_start(pid)})
+        except OSError:
+            pass                                   # a worker that exited meanwhile
+    assert below_raylet, "raylet has no child processes: nothing to check"
     reports = cluster.down(local_cfg)
     assert reports[0]["ok"] and reports[0]["recorded"]
     assert tagged_pids(f"V4_RAY_SESSION={token}") == []
-    assert still_running(raylet_children) == [], "processes raylet started outlive `cluster down`"
+    assert [p for p in below_raylet if ray_procs.alive(p)] == [], "processes raylet started outlive `cluster down`"
     st = cluster.status(local_cfg)
     assert not st.healthy and not st.nodes[0].recorded

@@ -10,9 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import still_running, tagged_pids
-
-SCRIPT = Path(__file__).resolve().parents[2] / "launcher" / "node_scripts" / "ray_procs.py"
+from conftest import tagged_pids
+from launcher.node_scripts import ray_procs
 
 # The "daemon": starts a child with an empty environment, writes the child's PID, then sleeps.
 DAEMON = """
@@ -23,12 +22,8 @@ time.sleep(600)
 """
 
 
-def _start(pid: int) -> int:
-    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
-
-
 def _ray_procs(action: str, state: Path) -> dict:
-    out = subprocess.run([sys.executable, str(SCRIPT), action, str(state)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, ray_procs.__file__, action, str(state)], capture_output=True, text=True,
                          timeout=60, check=True)
     return json.loads(out.stdout)
 
@@ -39,13 +34,14 @@ def test_stop_takes_what_the_daemons_started_without_the_token(tmp_path):
     child_file = tmp_path / "child.pid"
     daemon = subprocess.Popen([sys.executable, "-c", DAEMON, str(child_file)],
                               env={**os.environ, "V4_RAY_SESSION": token})
+    pids = [daemon.pid]
     try:
         deadline = time.time() + 30
         while not child_file.exists() or not child_file.read_text():
             assert time.time() < deadline and daemon.poll() is None, "the daemon did not start its child"
             time.sleep(0.05)
-        child = int(child_file.read_text())
-        procs = {daemon.pid: _start(daemon.pid), child: _start(child)}
+        pids.append(int(child_file.read_text()))
+        procs = [{"pid": p, "start": ray_procs.proc_start(p)} for p in pids]
         assert tagged_pids(f"V4_RAY_SESSION={token}") == [daemon.pid], "only the daemon carries the token"
 
         rec = _ray_procs("record", tmp_path)
@@ -53,10 +49,10 @@ def test_stop_takes_what_the_daemons_started_without_the_token(tmp_path):
         report = _ray_procs("stop", tmp_path)
         daemon.wait(timeout=10)
         assert report["remaining"] == []
-        assert still_running(procs) == [], "a process the daemon started outlived `stop`"
+        assert [p["pid"] for p in procs if ray_procs.alive(p)] == [], "a process the daemon started outlived `stop`"
         assert (tmp_path / "ray_procs.json.stopped").exists()
     finally:
-        for pid in (daemon.pid, *([int(child_file.read_text())] if child_file.exists() and child_file.read_text() else [])):
+        for pid in pids:
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
