@@ -260,16 +260,18 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 
 # The backward's dkv atomics, 16 bytes a lane (CUDA, prepended to the kernel's source). A wgmma accumulator
 # (64 rows over 4 warps) gives lane q of a quad columns 8j + 2q and 8j + 2q + 1 of rows r and r + 8, at
-# acc[4j + 2h], acc[4j + 2h + 1] (h = 0 for r, 1 for r + 8). Lanes q and q ^ 1 swap one pair, so that even lanes
+# acc[4j + 2h], acc[4j + 2h + 1] (h = 0 for r, 1 for r + 8), r = 16 * warp + lane / 4. Lanes q and q ^ 1 swap one pair, so that even lanes
 # hold four consecutive columns of each even j and odd lanes of each odd j: one `red.v4` where there were two
 # `red.v2` (the backward ran 12-14 % faster: 2.93-3.02 ms against 3.36-3.44 at V4-Flash, interleaved on the H200).
 # Rows whose index is padding (< 0 or >= n) are skipped; both lanes of a pair always shuffle.
 DKV_RED4 = r"""
 template <int NC>
-__device__ __forceinline__ void v4_dkv_red4(const float* acc, float* dkv, int idx0, int idx1, int n, int row_stride,
+__device__ __forceinline__ void v4_dkv_red4(const float* acc, float* dkv, const int* idx, int n, int row_stride,
                                             int col0) {
   const int q = threadIdx.x & 3;
   const bool odd = q & 1;
+  const int r = (threadIdx.x & 127) / 32 * 16 + (threadIdx.x & 31) / 4;
+  const int idx0 = idx[r], idx1 = idx[r + 8];
   float* dst0 = dkv + (long long)idx0 * row_stride + col0;
   float* dst1 = dkv + (long long)idx1 * row_stride + col0;
   const bool ok0 = (unsigned)idx0 < (unsigned)n, ok1 = (unsigned)idx1 < (unsigned)n;
@@ -388,10 +390,9 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             T.gemm(ds_b, q_sh[:, c * DC:(c + 1) * DC], acc_dkv, transpose_A=True, clear_accum=True,
                    policy=T.GemmWarpPolicy.FullRow)
             T.gemm(p_b, do_sh[:, c * DC:(c + 1) * DC], acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-            # straight from the accumulators, 16 bytes a lane: a thread's rows are r and r + 8 (DKV_RED4)
+            # straight from the accumulators, 16 bytes a lane (DKV_RED4)
             T.call_extern("handle", f"v4_dkv_red4<{DC}>", acc_dkv.data, T.address_of(dKV[b, 0, 0]),
-                          Idx[b, s, i * BS + (tx % 128) // 32 * 16 + tx % 32 // 4],
-                          Idx[b, s, i * BS + (tx % 128) // 32 * 16 + tx % 32 // 4 + 8], N, dim, c * DC)
+                          T.address_of(Idx[b, s, i * BS]), N, dim, c * DC)
         T.barrier_arrive(pds_empty)
 
     @T.prim_func
