@@ -1,5 +1,5 @@
-"""Run DSV4 megatron layouts in real gloo processes (torch.multiprocessing) and collect what each
-rank saw: loss, grad norm, reduced gradients (as slices of the official tensors) and the loss after
+"""Run DSV4 megatron layouts in real process groups (torch.multiprocessing; gloo on the CPU, NCCL with one
+GPU a rank on CUDA) and collect what each rank saw: loss, grad norm, reduced gradients (as slices of the official tensors) and the loss after
 one optimizer update. Tests compare every layout with one process on the same global batch."""
 from __future__ import annotations
 
@@ -45,15 +45,16 @@ def global_batch(spec: Spec, vocab: int, seed: int = 0) -> dict:
     return {"tokens": tokens, "loss_mask": mask}
 
 
-def _worker(rank: int, world: int, port: int, specs: list[Spec], out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, specs: list[Spec], out_dir: str, device: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)            # init_distributed's GPU for this rank
     from dsv4.config import ModelConfig
     from dsv4.megatron.model import Objective
     from dsv4.megatron.parallel import Layout, init_parallel
     from dsv4.megatron.train import TrainConfig, Trainer, init_distributed, split_micro_batches
-    init_distributed(rank, world, "gloo", "cpu", "127.0.0.1", port)
-    if world == 1:
+    init_distributed(rank, world, "nccl" if device == "cuda" else "gloo", device, "127.0.0.1", port)
+    if world == 1 and device == "cpu":
         _reference_check(out_dir)
     for spec in specs:
         cfg = ModelConfig.preset("tiny", indexer_loss_coeff=spec.indexer_coeff, **spec.model_overrides)
@@ -61,7 +62,7 @@ def _worker(rank: int, world: int, port: int, specs: list[Spec], out_dir: str) -
         tc = TrainConfig(model=cfg, layout=layout, objective=Objective(spec.mtp_coeff, spec.indexer_coeff),
                          seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
                          global_batch_size=spec.global_batch_size, lr=1e-3, num_steps=2,
-                         distributed_optimizer=spec.distributed_optimizer)
+                         distributed_optimizer=spec.distributed_optimizer, device=device)
         init_parallel(layout, tc.seed)
         tr = Trainer(tc)
         batch = global_batch(spec, cfg.vocab_size)
@@ -79,10 +80,11 @@ def _worker(rank: int, world: int, port: int, specs: list[Spec], out_dir: str) -
         del tr
 
 
-def run(specs: list[Spec], world: int, out_dir: Path) -> dict[str, dict]:
-    """Run `specs` one after another in `world` gloo processes; returns {spec name: assembled result}."""
+def run(specs: list[Spec], world: int, out_dir: Path, device: str = "cpu") -> dict[str, dict]:
+    """Run `specs` one after another in `world` processes (one GPU each on cuda); returns {spec name:
+    assembled result}."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(world, free_port(), specs, str(out_dir)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), specs, str(out_dir), device), nprocs=world, join=True)
     return {s.name: assemble(out_dir, s.name, world) for s in specs}
 
 
