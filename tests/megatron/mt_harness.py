@@ -1,6 +1,7 @@
 """Run DSV4 megatron layouts in real process groups (torch.multiprocessing; gloo on the CPU, NCCL with one
-GPU a rank on CUDA) and collect what each rank saw: loss, grad norm, reduced gradients (as slices of the official tensors) and the loss after
-one optimizer update. Tests compare every layout with one process on the same global batch."""
+GPU a rank on CUDA) and collect what each rank saw: loss, grad norm, reduced gradients (as slices of the
+official tensors) and the loss after one optimizer update. Tests compare every layout with one process on
+the same global batch, within the tolerances below."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
-"""The layouts of test_parallel_equivalence on real GPUs: NCCL process groups, one GPU a rank, CUDA kernels.
+"""The layouts of test_parallel_equivalence on real GPUs: NCCL process groups, one GPU a rank, the tiny model
+on CUDA (its attention is the torch implementation, as in the gloo test).
 Each layout runs one optimizer step and one more forward on the same global batch as one GPU, and loss,
 gradient norm, every reduced gradient and the loss after the update are compared, with the same fp32
 tolerances as the gloo test. Layouts of world 4 run where 4 GPUs are present. Figures are printed (-s)."""
