@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     from dsv4.megatron.launch import launch
     log(f"convert {src} -> {dst} at TP={layout.tp} PP={layout.pp} EP={layout.ep} ETP={layout.etp} on {world} rank(s)")
     sentinel_path(dst).unlink(missing_ok=True)
-    code = launch(worker, world, ConvertJob(str(ctx.run_dir), model, layout, str(src), str(dst)), "cpu", 0, log)
+    code = launch(worker, world, ConvertJob(str(ctx.run_dir), model, layout, str(src), str(dst)), "cpu", 0, log,
+                  local=ctx.cfg.get("V4_EXECUTOR") == "local")
     if code == 0:
         mark_done(dst, inputs, world=world)
     return code

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                    split="val")
     from dsv4.megatron.launch import launch
     code = launch(worker, world_size(cfg), EvalJob(str(ctx.run_dir), tc, data, cfg["HW_DIST_BACKEND"], ckpts),
-                  tc.device, int(cfg.get("V4_DIST_PORT") or 0), log)
+                  tc.device, int(cfg.get("V4_DIST_PORT") or 0), log, local=cfg.get("V4_EXECUTOR") == "local")
     if code == 0:
         mark_done(step_dir, inputs)
     return code

@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     world = world_size(cfg)
     log(f"train: {tc.model.n_layers}-layer {cfg['PRESET_MODEL']} model, world {world}, "
         f"{tc.num_steps} steps of {tc.global_batch_size} x {tc.seq_len} tokens on {tc.device}")
-    code = launch(worker, world, job, tc.device, int(cfg.get("V4_DIST_PORT") or 0), log)
+    code = launch(worker, world, job, tc.device, int(cfg.get("V4_DIST_PORT") or 0), log,
+                  local=cfg.get("V4_EXECUTOR") == "local")
     if code == 0:
         mark_done(step_dir, inputs, steps=tc.num_steps)
     return code

@@ -1,6 +1,7 @@
-"""Run one function per rank: in this process for world size 1, as Ray actors otherwise.
+"""Run one function per rank: in this process for world size 1; otherwise as Ray actors, or as local
+processes with the local executor (`V4_EXECUTOR=local`: one machine, no Ray).
 
-For world > 1 the driver reserves a placement group of one bundle per rank (a GPU and a CPU on cuda,
+For world > 1 under Ray the driver reserves a placement group of one bundle per rank (a GPU and a CPU on cuda,
 a CPU on cpu), starts one actor per bundle, orders the actors by (node IP, GPU id) so that
 neighbouring ranks share a node, and points every rank at rank 0's node for the rendezvous
 (MASTER_ADDR = rank 0's node IP, MASTER_PORT = a port rank 0 found free, unless one is given).
@@ -8,6 +9,11 @@ neighbouring ranks share a node, and points every rank at rank 0's node for the 
 `fn(rank, world, master_addr, master_port, payload) -> int` must be a module-level function (Ray
 pickles it by reference); its return value is the rank's exit code. The job's exit code is 16 when
 any rank reports 16 (non-finite loss/gradient), else the largest code; an actor that raises makes it 1.
+
+Local processes are spawned, one a rank (GPU = rank on cuda), rendezvous on 127.0.0.1. When a rank ends
+with an error while others still run, those get RANK_GRACE_S to end on their own (all ranks stop
+together on a non-finite step) and are then terminated: a rank left waiting in a collective for one
+that died would otherwise hang the job.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import time
 from typing import Callable
 
 EXIT_NONFINITE = 16
+RANK_GRACE_S = 30.0
 
 
 def combine_exit_codes(codes: list[int]) -> int:
@@ -32,11 +39,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(fn: Callable, world: int, payload, device: str, master_port: int = 0, log=None) -> int:
+def launch(fn: Callable, world: int, payload, device: str, master_port: int = 0, log=None,
+           local: bool = False) -> int:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if world == 1:
         return fn(0, 1, "127.0.0.1", master_port or free_port(), payload)
+    if local:
+        return _launch_local(fn, world, payload, device, master_port, log)
     return _launch_ray(fn, world, payload, device, master_port, log)
+
+
+def _launch_local(fn, world, payload, device, master_port, log) -> int:
+    import multiprocessing as mp
+    if device == "cuda":
+        import torch
+        if torch.cuda.device_count() < world:
+            log(f"error: {world} ranks need {world} GPUs on this machine; torch sees {torch.cuda.device_count()}")
+            return 1
+    port = master_port or free_port()
+    ctx = mp.get_context("spawn")             # CUDA cannot be used in a forked child
+    procs = [ctx.Process(target=_local_rank, args=(fn, rank, world, port, payload), name=f"rank{rank}")
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    log(f"{world} ranks as local processes (pids {' '.join(str(p.pid) for p in procs)}); rendezvous 127.0.0.1:{port}")
+    failed_at = None
+    while any(p.exitcode is None for p in procs):
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if bad and failed_at is None:
+            failed_at = time.time()
+            log(f"rank {bad[0][0]} ended with exit code {bad[0][1]}; the others get {RANK_GRACE_S:g} s to end")
+        if failed_at is not None and time.time() - failed_at > RANK_GRACE_S:
+            for r, p in enumerate(procs):
+                if p.exitcode is None:
+                    log(f"rank {r} still running: terminated")
+                    p.terminate()
+            for p in procs:
+                p.join(10)
+                if p.exitcode is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.join()
+    # a rank killed by a signal has a negative exit code: count it as a failure
+    return combine_exit_codes([c if c >= 0 else 1 for c in (p.exitcode for p in procs)])
+
+
+def _local_rank(fn, rank, world, port, payload) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)      # init_distributed's GPU for this rank
+    sys.exit(fn(rank, world, "127.0.0.1", port, payload))
 
 
 def _launch_ray(fn, world, payload, device, master_port, log) -> int:

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,31 @@ def test_ray_driver_two_ranks_backward_nan(converted, tmp_path):
     assert len(info["per_rank"]) == 2
 
 
+def test_local_executor_two_ranks_backward_nan(converted, tmp_path):
+    """World 2 (TP=2) with V4_EXECUTOR=local: two spawned processes, no Ray; step 1
+    trains and saves, a NaN planted in a gradient at step 2 stops both ranks with exit 16."""
+    run = make_run(tmp_path / "run", converted, PRESET_TP=2, WORLD_SIZE=2, V4_NUM_GPUS_PER_NODE=2,
+                   PRESET_NUM_STEPS=2, PRESET_GLOBAL_BATCH_SIZE=1, V4_EXECUTOR="local")
+    p = job("train_sft", run, timeout=400, V4_PLANT_NAN="layers.2.ffn.shared_experts.w2:2:backward")
+    assert p.returncode == 16, p.stderr[-4000:]
+    assert "2 ranks as local processes" in p.stderr and "placement group" not in p.stderr
+    rows = metrics(run)
+    assert sorted(rows) == [1] and rows[1]["world"] == 2 and math.isfinite(rows[1]["loss"])
+    assert (run / "checkpoints" / "iter_0000001").is_dir()
+    info = json.loads((run / "steps" / "train" / "nonfinite.json").read_text())
+    assert (info["step"], info["module"], info["phase"]) == (2, "layers.2.ffn.shared_experts.w2", "backward")
+    assert len(info["per_rank"]) == 2
+
+
+def test_local_executor_fails_fast_when_a_rank_dies(converted, tmp_path, monkeypatch):
+    """A rank that dies while the other waits in a collective: the job ends (exit 1) instead of hanging."""
+    from dsv4.megatron import launch as L
+    monkeypatch.setattr(L, "RANK_GRACE_S", 1.0)
+    t0 = time.time()
+    code = L.launch(_die_or_wait, 2, None, "cpu", 0, log=lambda m: None, local=True)
+    assert code == 1 and time.time() - t0 < 60
+
+
 def test_evaluate_scores_held_out_rows(trained):
     p = job("evaluate", trained)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -157,3 +183,13 @@ def test_evaluate_scores_held_out_rows(trained):
     assert r["rows"] > 0 and r["loss_tokens"] > 0 and r["step"] == 3
     assert math.isfinite(r["loss"]) and math.isfinite(r["loss_initial"])
     assert r["loss"] < r["loss_initial"]          # three steps of SFT lowered the held-out loss
+
+
+def _die_or_wait(rank, world, addr, port, payload) -> int:
+    """Rank 1 exits with 1 at once; rank 0 would wait for it forever (a barrier of a live group)."""
+    if rank == 1:
+        return 1
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)   # blocks: rank 1 never joins
+    return 0
