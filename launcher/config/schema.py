@@ -98,6 +98,8 @@ KEYS: list[Key] = [
     _k("HW_TILELANG_BLOCK_H", "int", 64, "hw", "TileLang sparse-attention head block"),
     _k("HW_TILELANG_BLOCK_SIZE", "int", 64, "hw", "TileLang sparse-attention top-k block"),
     _k("HW_NCCL_NVLS_ENABLE", "bool", 0, "hw", "NVLink SHARP (multicast) in NCCL; keep 0 where the host forbids it"),
+    _k("HW_NCCL_MIN_BUSBW_GBPS", "float", 0, "hw",
+       "preflight `nccl`: the all-reduce bus bandwidth across a node's GPUs below which it warns (0: no floor)"),
     _k("HW_PYTORCH_CUDA_ALLOC_CONF", "str", "expandable_segments:True", "hw", "PYTORCH_CUDA_ALLOC_CONF for jobs"),
     _k("HW_SMOKE_MODEL", "str", "tiny", "hw", "model the smoke preset uses on this hardware"),
     _k("HW_SMOKE_SEQ_LEN", "int", 128, "hw", "sequence length the smoke preset uses on this hardware"),

@@ -1,6 +1,7 @@
-"""Small stdlib-only programs the launcher sends to a node's Python (`python - ARGS <<EOF`).
+"""Small programs the launcher sends to a node's Python (`python - ARGS <<EOF`).
 
-They run ON the nodes, so they import nothing from the launcher; `source(name)` returns the text.
+They run ON the nodes, so they import nothing from the launcher; `source(name)` returns the text. All are
+stdlib-only except `nccl_bw`, which times an all-reduce and needs the node's torch.
 """
 from pathlib import Path
 

@@ -1,7 +1,8 @@
 """Preflight: checks that every node can run the job, each PASS | WARN | FAIL (or SKIP when it does
 not apply) with a fix, per node, gathered in parallel.
 
-Facts are collected once per node (one SSH round trip running `node_scripts/node_facts.py`), then
+Facts are collected once per node (one SSH round trip running `node_scripts/node_facts.py`, and on a
+node with several GPUs a second one timing an all-reduce across them, `node_scripts/nccl_bw.py`), then
 every registered check judges them; checks that compare nodes (versions, clocks, the shared
 directory) see all nodes' facts. `v4 run` refuses to start on a FAIL unless the check is skipped.
 """
@@ -61,7 +62,7 @@ def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None, run=None) -> Resu
     names = select_checks(only, skip)
     nodes = nodes or nodes_from_config(cfg)
     inputs = required_inputs(cfg) if inputs is None else list(inputs)
-    ctx = gather(cfg, nodes, inputs)
+    ctx = gather(cfg, nodes, inputs, measure_nccl="nccl" in names)
     if run is not None:
         ctx.run_ckpt_gb = _tree_gb(run.dir / "checkpoints")
         ctx.run_trained = run.step_status("train").get("status") == "done"

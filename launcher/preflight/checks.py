@@ -208,6 +208,26 @@ def nvlink(node, ctx):
     return PASS, f"{g['nvlink_active']} active link(s); NVLS {'on' if nvls else 'off'}"
 
 
+@check("nccl", "an all-reduce across the node's GPUs over NCCL sums right, at the bus bandwidth the hw layer expects")
+def nccl(node, ctx):
+    if not is_cuda(ctx):
+        return SKIP, "HW_DEVICE=cpu"
+    if gpus_per_node(ctx) < 2:
+        return SKIP, "one GPU per node"
+    r = ctx.facts[node].get("nccl")
+    if r is None:
+        return SKIP, "not measured"
+    fix = ("run it by hand with NCCL_DEBUG=INFO; check `nvidia-smi topo -m` (GPU links), NCCL_P2P_DISABLE / "
+           "NCCL_SHM_DISABLE in the environment, and that no other job holds the GPUs")
+    if r.get("error"):
+        return FAIL, f"all-reduce over {r['gpus']} GPUs failed: {r['error']}", fix
+    want = float(ctx.cfg.get("HW_NCCL_MIN_BUSBW_GBPS", 0) or 0)
+    detail = f"{r['gpus']} GPUs, {r['bytes'] >> 20} MiB bf16: bus bandwidth {r['busbw_gbps']:.0f} GB/s"
+    if want and r["busbw_gbps"] < want:
+        return WARN, detail + f", under HW_NCCL_MIN_BUSBW_GBPS={want:g}", fix
+    return PASS, detail
+
+
 @check("ib", "InfiniBand ports are active when V4_EXPECT_IB=1")
 def ib(node, ctx):
     devs = ctx.facts[node]["ib"]

@@ -20,7 +20,16 @@ def head_ports(cfg) -> list[int]:
     return [int(cfg.get(k, 0) or 0) for k in keys if int(cfg.get(k, 0) or 0)]
 
 
-def gather(cfg, nodes: list[Node], inputs: list[RequiredInput]) -> Context:
+def nccl_args(cfg) -> dict | None:
+    """What `node_scripts/nccl_bw.py` measures on each node, or None where it does not apply (CPU, one GPU)."""
+    gpus = int(cfg.get("V4_NUM_GPUS_PER_NODE", 1) or 1)
+    if cfg.get("HW_DEVICE") != "cuda" or gpus < 2:
+        return None
+    return {"gpus": gpus, "bytes": 256 << 20, "iters": 10, "timeout": 90, "backend": "nccl"}
+
+
+def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bool = True) -> Context:
+    """Facts of every node; `measure_nccl`: also time an all-reduce across each node's GPUs (~10-20 s)."""
     ctx = Context(cfg=cfg, order=[n.name for n in nodes], inputs=inputs)
     work = str(cfg["V4_WORK"])
     python = python_on_nodes(cfg)
@@ -40,6 +49,11 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput]) -> Context:
 
     paths = sorted({i.path for i in inputs} | {f"{i.path}/{i.sentinel}" for i in inputs if i.sentinel})
     script = source("node_facts")
+    nccl = nccl_args(cfg) if measure_nccl else None
+    nccl_cmd = (f"{shlex.quote(python)} - {shlex.quote(json.dumps(nccl))} <<'V4_NCCL'\n{source('nccl_bw')}V4_NCCL\n"
+                if nccl else "")
+    # the run's own NCCL setting: NVLink SHARP stays off where the hw layer says so
+    nccl_env = {"NCCL_NVLS_ENABLE": str(int(bool(cfg.get("HW_NCCL_NVLS_ENABLE"))))}
 
     def facts(node: Node) -> dict:
         args = {"work": work, "local": node_local_dir(cfg, node.name), "ray_state": ray_state_dir(cfg, node.name),
@@ -63,6 +77,12 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput]) -> Context:
         window = max(0.0, t2 - t1 - out.get("elapsed", 0))
         out["_clock"] = (out["time"] - (t1 + t2 - out.get("elapsed", 0)) / 2, window / 2)
         out["_ssh_s"] = t1 - t0
+        if nccl_cmd:
+            r = node.run(nccl_cmd, env=nccl_env, timeout=nccl["timeout"] + 30)
+            try:
+                out["nccl"] = json.loads(r.stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                out["nccl"] = {"gpus": nccl["gpus"], "error": f"rc {r.rc}: {r.tail(4)}"}
         return out
 
     for name, f in zip(ctx.order, fan_out(nodes, facts,

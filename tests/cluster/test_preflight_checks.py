@@ -93,6 +93,19 @@ def test_nvlink_and_nvls():
     assert one("nvlink", on, facts(gpu__gpus=eight, gpu__nvlink_active=144)).status == "PASS"
 
 
+def test_nccl_allreduce_bandwidth():
+    two = cfg_for(V4_NUM_GPUS_PER_NODE=2)
+    measured = {"gpus": 2, "bytes": 256 << 20, "seconds": 0.0016, "busbw_gbps": 168.0, "error": ""}
+    assert one("nccl", cfg_for(V4_NUM_GPUS_PER_NODE=1), facts()).status == "SKIP"
+    assert one("nccl", cfg_for(hw="cpu", V4_NUM_GPUS_PER_NODE=2), facts()).status == "SKIP"
+    r = one("nccl", two, facts(nccl=measured))
+    assert (r.status, r.detail) == ("PASS", "2 GPUs, 256 MiB bf16: bus bandwidth 168 GB/s")
+    slow = one("nccl", two, facts(nccl=dict(measured, busbw_gbps=21.0)))     # H200 floor: 100 GB/s
+    assert slow.status == "WARN" and "HW_NCCL_MIN_BUSBW_GBPS=100" in slow.detail and "topo" in slow.fix
+    bad = one("nccl", two, facts(nccl=dict(measured, busbw_gbps=None, error="RuntimeError: rank 1: 3 of 9 sums are not 2")))
+    assert bad.status == "FAIL" and "sums are not 2" in bad.detail
+
+
 def test_ib_and_memlock():
     cfg = cfg_for(V4_EXPECT_IB=1)
     assert one("ib", cfg, facts()).status == "FAIL"
