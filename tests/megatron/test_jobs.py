@@ -135,30 +135,20 @@ def test_planted_nan_stops_with_exit_16_naming_the_module(converted, tmp_path):
     assert not (run / "steps" / "train" / ".v4-done.json").exists()
 
 
-def test_ray_driver_two_ranks_backward_nan(converted, tmp_path):
-    """World 2 (TP=2) through the Ray driver: one actor per rank, step 1 trains and saves, a NaN planted
-    in a gradient at step 2 stops every rank with exit 16 and names the module."""
+@pytest.mark.parametrize("executor", ["ray", "local"])
+def test_two_ranks_backward_nan(converted, tmp_path, executor):
+    """World 2 (TP=2) through the Ray driver (one actor per rank) or the local executor (two spawned processes,
+    no Ray): step 1 trains and saves, a NaN planted in a gradient at step 2 stops every rank with exit 16 and
+    names the module."""
     run = make_run(tmp_path / "run", converted, PRESET_TP=2, WORLD_SIZE=2, V4_NUM_GPUS_PER_NODE=2,
-                   PRESET_NUM_STEPS=2, PRESET_GLOBAL_BATCH_SIZE=1)
-    p = job("train_sft", run, timeout=400, RAY_ADDRESS="local", V4_PLANT_NAN="layers.2.ffn.shared_experts.w2:2:backward")
+                   PRESET_NUM_STEPS=2, PRESET_GLOBAL_BATCH_SIZE=1, V4_EXECUTOR=executor)
+    env = {"RAY_ADDRESS": "local"} if executor == "ray" else {}
+    p = job("train_sft", run, timeout=400, V4_PLANT_NAN="layers.2.ffn.shared_experts.w2:2:backward", **env)
     assert p.returncode == 16, p.stderr[-4000:]
-    assert "placement group of 2" in p.stderr
-    rows = metrics(run)
-    assert sorted(rows) == [1] and rows[1]["world"] == 2 and math.isfinite(rows[1]["loss"])
-    assert (run / "checkpoints" / "iter_0000001").is_dir()
-    info = json.loads((run / "steps" / "train" / "nonfinite.json").read_text())
-    assert (info["step"], info["module"], info["phase"]) == (2, "layers.2.ffn.shared_experts.w2", "backward")
-    assert len(info["per_rank"]) == 2
-
-
-def test_local_executor_two_ranks_backward_nan(converted, tmp_path):
-    """World 2 (TP=2) with V4_EXECUTOR=local: two spawned processes, no Ray; step 1
-    trains and saves, a NaN planted in a gradient at step 2 stops both ranks with exit 16."""
-    run = make_run(tmp_path / "run", converted, PRESET_TP=2, WORLD_SIZE=2, V4_NUM_GPUS_PER_NODE=2,
-                   PRESET_NUM_STEPS=2, PRESET_GLOBAL_BATCH_SIZE=1, V4_EXECUTOR="local")
-    p = job("train_sft", run, timeout=400, V4_PLANT_NAN="layers.2.ffn.shared_experts.w2:2:backward")
-    assert p.returncode == 16, p.stderr[-4000:]
-    assert "2 ranks as local processes" in p.stderr and "placement group" not in p.stderr
+    if executor == "ray":
+        assert "placement group of 2" in p.stderr
+    else:
+        assert "2 ranks as local processes" in p.stderr and "placement group" not in p.stderr
     rows = metrics(run)
     assert sorted(rows) == [1] and rows[1]["world"] == 2 and math.isfinite(rows[1]["loss"])
     assert (run / "checkpoints" / "iter_0000001").is_dir()
