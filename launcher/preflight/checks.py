@@ -217,8 +217,8 @@ def nccl(node, ctx):
     r = ctx.facts[node].get("nccl")
     if r is None:
         return SKIP, "not measured"
-    fix = ("run it by hand with NCCL_DEBUG=INFO; check `nvidia-smi topo -m` (GPU links), NCCL_P2P_DISABLE / "
-           "NCCL_SHM_DISABLE in the environment, and that no other job holds the GPUs")
+    fix = ("on the node, NCCL_DEBUG=INFO in the environment says why; check `nvidia-smi topo -m` (GPU links), "
+           "NCCL_P2P_DISABLE / NCCL_SHM_DISABLE in the environment, and that no other job holds the GPUs")
     if r.get("error"):
         return FAIL, f"all-reduce over {r['gpus']} GPUs failed: {r['error']}", fix
     want = float(ctx.cfg.get("HW_NCCL_MIN_BUSBW_GBPS", 0) or 0)
