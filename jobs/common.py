@@ -87,6 +87,12 @@ class Paths:
     checkpoints: Path
 
 
+def ranks_local(cfg: dict) -> bool:
+    """Whether a step's ranks run as local processes (the local executor: this one machine, no Ray) rather
+    than as Ray actors; `dsv4.megatron.launch.launch(local=...)`."""
+    return cfg.get("V4_EXECUTOR") == "local"
+
+
 def default_route_ifname() -> str | None:
     try:
         for line in Path("/proc/net/route").read_text().splitlines()[1:]:

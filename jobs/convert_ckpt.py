@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.common import RunContext, done, fingerprint, log, mark_done, sentinel_path
+from jobs.common import RunContext, done, fingerprint, log, mark_done, ranks_local, sentinel_path
 
 
 @dataclass
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     log(f"convert {src} -> {dst} at TP={layout.tp} PP={layout.pp} EP={layout.ep} ETP={layout.etp} on {world} rank(s)")
     sentinel_path(dst).unlink(missing_ok=True)
     code = launch(worker, world, ConvertJob(str(ctx.run_dir), model, layout, str(src), str(dst)), "cpu", 0, log,
-                  local=ctx.cfg.get("V4_EXECUTOR") == "local")
+                  local=ranks_local(ctx.cfg))
     if code == 0:
         mark_done(dst, inputs, world=world)
     return code

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.common import RunContext, done, fingerprint, log, mark_done
+from jobs.common import RunContext, done, fingerprint, log, mark_done, ranks_local
 from jobs.train_sft import DATA_SEED_OFFSET, SFTData, tokenizer_dirs, train_config, world_size
 
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                    split="val")
     from dsv4.megatron.launch import launch
     code = launch(worker, world_size(cfg), EvalJob(str(ctx.run_dir), tc, data, cfg["HW_DIST_BACKEND"], ckpts),
-                  tc.device, int(cfg.get("V4_DIST_PORT") or 0), log, local=cfg.get("V4_EXECUTOR") == "local")
+                  tc.device, int(cfg.get("V4_DIST_PORT") or 0), log, local=ranks_local(cfg))
     if code == 0:
         mark_done(step_dir, inputs)
     return code

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.common import RunContext, done, fingerprint, log, mark_done
+from jobs.common import RunContext, done, fingerprint, log, mark_done, ranks_local
 
 VAL_FRACTION = 0.1      # held-out share of the SFT rows (jobs.evaluate scores it)
 DATA_SEED_OFFSET = 17   # the data order's seed differs from the weights' seed
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     log(f"train: {tc.model.n_layers}-layer {cfg['PRESET_MODEL']} model, world {world}, "
         f"{tc.num_steps} steps of {tc.global_batch_size} x {tc.seq_len} tokens on {tc.device}")
     code = launch(worker, world, job, tc.device, int(cfg.get("V4_DIST_PORT") or 0), log,
-                  local=cfg.get("V4_EXECUTOR") == "local")
+                  local=ranks_local(cfg))
     if code == 0:
         mark_done(step_dir, inputs, steps=tc.num_steps)
     return code
