@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import math
 import re
 
 from launcher.nodes import python_on_nodes
@@ -221,9 +222,12 @@ def nccl(node, ctx):
            "NCCL_P2P_DISABLE / NCCL_SHM_DISABLE in the environment, and that no other job holds the GPUs")
     if r.get("error"):
         return FAIL, f"all-reduce over {r['gpus']} GPUs failed: {r['error']}", fix
+    busbw = r.get("busbw_gbps")
+    if not (isinstance(busbw, (int, float)) and math.isfinite(busbw) and busbw > 0):
+        return FAIL, f"all-reduce over {r['gpus']} GPUs gave no usable bandwidth figure ({busbw!r})", fix
     want = float(ctx.cfg.get("HW_NCCL_MIN_BUSBW_GBPS", 0) or 0)
-    detail = f"{r['gpus']} GPUs, {r['bytes'] >> 20} MiB bf16: bus bandwidth {r['busbw_gbps']:.0f} GB/s"
-    if want and r["busbw_gbps"] < want:
+    detail = f"{r['gpus']} GPUs, {r['bytes'] >> 20} MiB bf16: bus bandwidth {busbw:.0f} GB/s"
+    if want and busbw < want:
         return WARN, detail + f", under HW_NCCL_MIN_BUSBW_GBPS={want:g}", fix
     return PASS, detail
 

@@ -4,6 +4,7 @@ failure path, where NCCL cannot start and the script must report it rather than 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ def measure(**args) -> dict:
 def test_allreduce_over_gloo_processes():
     r = measure(gpus=2, bytes=4 << 20, iters=3, backend="gloo", timeout=60)
     assert r["error"] == "" and r["gpus"] == 2 and r["bytes"] == 4 << 20
+    assert math.isfinite(r["seconds"]) and math.isfinite(r["busbw_gbps"])
     assert r["seconds"] > 0 and r["busbw_gbps"] > 0
 
 

@@ -102,8 +102,10 @@ def test_nccl_allreduce_bandwidth():
     assert (r.status, r.detail) == ("PASS", "2 GPUs, 256 MiB bf16: bus bandwidth 168 GB/s")
     slow = one("nccl", two, facts(nccl=dict(measured, busbw_gbps=21.0)))     # H200 floor: 100 GB/s
     assert slow.status == "WARN" and "HW_NCCL_MIN_BUSBW_GBPS=100" in slow.detail and "topo" in slow.fix
-    bad = one("nccl", two, facts(nccl=dict(measured, busbw_gbps=None, error="RuntimeError: rank 1: 3 of 9 sums are not 2")))
+    bad = one("nccl", two, facts(nccl=dict(measured, busbw_gbps=None,
+                                           error="RuntimeError: rank 1: 3 of 9 sums are not 2")))
     assert bad.status == "FAIL" and "sums are not 2" in bad.detail
+    assert one("nccl", two, facts(nccl=dict(measured, busbw_gbps=float("nan")))).status == "FAIL"   # not a PASS
 
 
 def test_ib_and_memlock():
