@@ -260,8 +260,8 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 
 # The backward's dkv atomics, 16 bytes a lane (CUDA, prepended to the kernel's source). A wgmma accumulator
 # (64 rows over 4 warps) gives lane q of a quad columns 8j + 2q and 8j + 2q + 1 of rows r and r + 8, at
-# acc[4j + 2h], acc[4j + 2h + 1] (h = 0 for r, 1 for r + 8), r = 16 * warp + lane / 4. Lanes q and q ^ 1 swap one pair, so that even lanes
-# hold four consecutive columns of each even j and odd lanes of each odd j: one `red.v4` where there were two
+# acc[4j + 2h], acc[4j + 2h + 1] (h = 0 for r, 1 for r + 8), r = 16 * warp + lane / 4. Lanes q and q ^ 1 swap
+# one pair, so that even lanes hold four consecutive columns of each even j and odd lanes of each odd j: one `red.v4` where there were two
 # `red.v2` (the backward ran 12-14 % faster: 2.93-3.02 ms against 3.36-3.44 at V4-Flash, interleaved on the H200).
 # Rows whose index is padding (< 0 or >= n) are skipped; both lanes of a pair always shuffle.
 DKV_RED4 = r"""
@@ -287,7 +287,8 @@ __device__ __forceinline__ void v4_dkv_red4(const float* acc, float* dkv, const 
       int col = odd ? 8 * (j + 1) + 2 * (q - 1) : 8 * j + 2 * q;
       float* d = (h ? dst1 : dst0) + col;
       if (h ? ok1 : ok0)
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(d), "f"(x0), "f"(x1), "f"(x2), "f"(x3) : "memory");
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
+                     :: "l"(d), "f"(x0), "f"(x1), "f"(x2), "f"(x3) : "memory");
     }
   }
 }
