@@ -42,9 +42,9 @@ TOPK_MULTIPLE = 2 * FWD_BLOCK   # the forward consumes stages in pairs, the back
 # warpgroup 0 the same named-barrier id (3), and the two then release each other's bar.sync (a hang).
 FWD_PASS_CONFIGS: dict[str, object] = {"tl.disable_thread_storage_sync": True}
 WG0_BAR, WG1_BAR = 1, 2  # named barriers (bar.sync id, 128 threads) of warpgroups 0 and 1
-# The forward's running max moves only when a row's block max exceeds it by more than 2^LAZY_RESCALE_LOG2 (FlashAttention
-# 4's lazy rescale): P stays <= 2^8, which bf16 and the fp32 sums hold exactly as well, and the final 1/l uses the same
-# max, so the result is the same up to rounding. A warp whose factors are all exactly 1 then skips rescaling its O rows.
+# The forward's running max moves only when a row's block max exceeds it by more than LAZY_RESCALE_LOG2 (base 2;
+# FlashAttention 4's lazy rescale): P stays <= 2^8, far from overflow in bf16 and in the fp32 sums, and O and l share the
+# stale max, so the result is the same up to rounding. A warp whose factors are all exactly 1 skips rescaling its O rows.
 LAZY_RESCALE_LOG2 = 8.0
 # CUDA prepended to the forward: 1 when some lane of the warp holds a row (r or r + 8 of a 64-row wgmma accumulator) whose
 # rescale factor is not 1. Warp-uniform, so the O rescale it guards is a branch, not 128 predicated multiplies.
