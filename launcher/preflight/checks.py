@@ -7,6 +7,7 @@ import math
 import re
 
 from launcher.nodes import python_on_nodes
+from launcher.preflight.gather import nccl_args
 from launcher.preflight.registry import Context, check
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
@@ -211,10 +212,8 @@ def nvlink(node, ctx):
 
 @check("nccl", "an all-reduce across the node's GPUs over NCCL sums right, at the bus bandwidth the hw layer expects")
 def nccl(node, ctx):
-    if not is_cuda(ctx):
-        return SKIP, "HW_DEVICE=cpu"
-    if gpus_per_node(ctx) < 2:
-        return SKIP, "one GPU per node"
+    if nccl_args(ctx.cfg) is None:               # the rule that decides whether gather measures at all
+        return SKIP, "needs HW_DEVICE=cuda and 2 or more GPUs per node"
     r = ctx.facts[node].get("nccl")
     if r is None:
         return SKIP, "not measured"

@@ -8,6 +8,9 @@ import math
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from launcher.node_scripts import source
 
 
@@ -25,6 +28,7 @@ def test_allreduce_over_gloo_processes():
     assert r["seconds"] > 0 and r["busbw_gbps"] > 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="NCCL can start here: this test needs it to fail")
 def test_nccl_without_gpus_reports_the_error():
     r = measure(gpus=2, bytes=1 << 20, iters=1, backend="nccl", timeout=60)
     assert r["error"] and r["busbw_gbps"] is None

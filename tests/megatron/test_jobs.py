@@ -157,7 +157,7 @@ def test_two_ranks_backward_nan(converted, tmp_path, executor):
     assert len(info["per_rank"]) == 2
 
 
-def test_local_executor_fails_fast_when_a_rank_dies(converted, tmp_path, monkeypatch):
+def test_local_executor_fails_fast_when_a_rank_dies(monkeypatch):
     """A rank that dies while the other waits in a collective: the job ends (exit 1) instead of hanging."""
     from dsv4.megatron import launch as L
     monkeypatch.setattr(L, "RANK_GRACE_S", 1.0)
