@@ -10,6 +10,10 @@ neighbouring ranks share a node, and points every rank at rank 0's node for the 
 pickles it by reference); its return value is the rank's exit code. The job's exit code is 16 when
 any rank reports 16 (non-finite loss/gradient), else the largest code; an actor that raises makes it 1.
 
+Every rank's function runs through `run_rank`, which tears down the process group the function left behind
+when it returns (NCCL otherwise warns at exit, and a driver that ran world 1 in-process would keep a group bound
+to that job's rendezvous port).
+
 Local processes are spawned, one a rank (GPU = rank on cuda), rendezvous on 127.0.0.1. When a rank ends
 with an error while others still run, those get RANK_GRACE_S to end on their own (all ranks stop
 together on a non-finite step) and are then terminated: a rank left waiting in a collective for one
@@ -43,10 +47,21 @@ def launch(fn: Callable, world: int, payload, device: str, master_port: int = 0,
            local: bool = False) -> int:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if world == 1:
-        return fn(0, 1, "127.0.0.1", master_port or free_port(), payload)
+        return run_rank(fn, 0, 1, "127.0.0.1", master_port or free_port(), payload)
     if local:
         return _launch_local(fn, world, payload, device, master_port, log)
     return _launch_ray(fn, world, payload, device, master_port, log)
+
+
+def run_rank(fn, rank, world, master_addr, master_port, payload) -> int:
+    """`fn` for one rank, then `destroy_process_group()` if it left one initialized. Only after a return (any exit
+    code, all ranks stop together on a non-finite step): after an exception a peer may be gone, and tearing down a
+    communicator that waits for it can hang; the launchers end such ranks themselves."""
+    code = fn(rank, world, master_addr, master_port, payload)
+    dist = sys.modules.get("torch.distributed")      # not imported: fn made no process group
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return code
 
 
 def _launch_local(fn, world, payload, device, master_port, log) -> int:
@@ -88,7 +103,7 @@ def _launch_local(fn, world, payload, device, master_port, log) -> int:
 
 def _local_rank(fn, rank, world, port, payload) -> None:
     os.environ["LOCAL_RANK"] = str(rank)      # init_distributed's GPU for this rank
-    sys.exit(fn(rank, world, "127.0.0.1", port, payload))
+    sys.exit(run_rank(fn, rank, world, "127.0.0.1", port, payload))
 
 
 def _launch_ray(fn, world, payload, device, master_port, log) -> int:
@@ -167,4 +182,4 @@ class RankActor:
 
     def run(self, fn, rank, world, master_addr, master_port, payload) -> int:
         os.environ["LOCAL_RANK"] = "0"
-        return fn(rank, world, master_addr, master_port, payload)
+        return run_rank(fn, rank, world, master_addr, master_port, payload)

@@ -166,6 +166,24 @@ def test_local_executor_fails_fast_when_a_rank_dies(monkeypatch):
     assert code == 1 and time.time() - t0 < 60
 
 
+def _gloo_rank(rank, world, addr, port, payload):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://{addr}:{port}")
+    dist.barrier()
+    return 0
+
+
+def test_a_rank_leaves_no_process_group_behind():
+    """world 1 runs in this process: the group the rank made is gone when launch returns (a second job in the
+    same process starts clean, and NCCL has nothing to warn about at exit)."""
+    import torch.distributed as dist
+    from dsv4.megatron import launch as L
+    assert L.launch(_gloo_rank, 1, None, "cpu", 0, log=lambda m: None) == 0
+    assert not dist.is_initialized()
+    assert L.launch(_gloo_rank, 1, None, "cpu", 0, log=lambda m: None) == 0     # a fresh port, a fresh group
+    assert not dist.is_initialized()
+
+
 def test_evaluate_scores_held_out_rows(trained):
     p = job("evaluate", trained)
     assert p.returncode == 0, p.stderr[-3000:]
