@@ -86,10 +86,13 @@ def init_distributed(rank: int, world: int, backend: str, device: str, master_ad
         # ranks share the cores, and an OpenMP thread spinning on a busy core stalls every small op:
         # measured 0.45 s/step with 1 thread vs 0.7-4.5 s with 2 for the tiny model on a loaded 2-core box
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * world)))
+    bound = {}
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1))
+        if backend == "nccl":      # the group's GPU stated, not guessed at its first barrier (torch warns then)
+            bound["device_id"] = torch.device("cuda", torch.cuda.current_device())
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        dist.init_process_group(backend, rank=rank, world_size=world, **bound)
 
 
 def quiet_libraries() -> None:
