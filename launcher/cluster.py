@@ -388,5 +388,7 @@ def down(cfg, nodes: list[Node] | None = None, force: bool = False,
         elif not rep.get("recorded"):
             progress(f"{rep['node']}: no Ray started by v4 here")
         else:
-            progress(f"{rep['node']}: stopped {len(rep['stopped'])} recorded Ray process(es)")
+            killed = rep.get("killed") or []
+            progress(f"{rep['node']}: stopped {len(rep['stopped'])} recorded Ray process(es)"
+                     + (f"; SIGKILL for {', '.join(sorted({k['name'] for k in killed}))}" if killed else ""))
     return reports

@@ -123,6 +123,8 @@ def test_down_stops_only_what_it_started(netns_cluster, netns_cfg, ray_up, tmp_p
         assert len(ours) >= 3 * 3
         reports = cluster.down(netns_cfg)
         assert [rep["ok"] for rep in reports] == [True] * 3, reports
+        # each node's daemons signalled one after another end on SIGTERM (ray_procs.STOP_ORDER)
+        assert [rep["killed"] for rep in reports] == [[]] * 3, reports
         time.sleep(0.5)
         assert [p for p in ours if _alive(p)] == [], "a process started by `up` survived `down`"
         assert tagged_pids("V4_RAY_SESSION=v4-netns-") == []

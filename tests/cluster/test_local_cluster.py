@@ -128,6 +128,9 @@ def test_local_down_scoped_and_complete(local_cfg):
     assert below_raylet, "raylet has no child processes: nothing to check"
     reports = cluster.down(local_cfg)
     assert reports[0]["ok"] and reports[0]["recorded"]
+    # signalled one after another (raylet, monitor, gcs_server, the rest), Ray's daemons end on SIGTERM; together
+    # they waited on one another past the grace and needed SIGKILL
+    assert reports[0]["killed"] == [], reports[0]["killed"]
     assert tagged_pids(f"V4_RAY_SESSION={token}") == []
     assert [p for p in below_raylet if ray_procs.alive(p)] == [], "processes raylet started outlive `cluster down`"
     st = cluster.status(local_cfg)
