@@ -8,8 +8,11 @@ GPUs/CPUs. Processes are ours only if they carry the V4_RAY_SESSION token `up` g
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -87,9 +90,42 @@ def dashboard_url(cfg) -> str:
     return f"http://{cfg['V4_MASTER_IP']}:{cfg['V4_DASHBOARD_PORT']}"
 
 
-# Ray >= 2.5x turns token auth on by itself when ~/.ray/auth_token exists on the head, but not on
-# workers, which then cannot join; the mode must be explicit and the same on every node.
-RAY_AUTH_ENV = {"RAY_AUTH_MODE": "disabled"}
+# Ray's token authentication: without it anyone who reaches the dashboard or the GCS can submit a job, i.e. run
+# code on every node. One random token a cluster, written by `up` into each node's state directory (a 0700
+# directory, the file 0600) before that node's `ray start`. The mode must be explicit and the same on every node:
+# Ray >= 2.59 turns token auth on by itself on a head where ~/.ray/auth_token exists, and workers then cannot join.
+def auth_token_path(cfg, ip: str) -> str:
+    return f"{ray_state_dir(cfg, ip)}/auth/token"
+
+
+def auth_env(cfg, ip: str) -> dict[str, str]:
+    """What a process on node `ip` needs to talk to the cluster's Ray (ray start, the GCS probe, ray job submit)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": auth_token_path(cfg, ip)}
+
+
+def read_auth_token(cfg, head: Node | None = None) -> str:
+    """The running cluster's token, read from the head ('' when there is none: not up, or started without auth)."""
+    head = head or nodes_from_config(cfg)[0]
+    r = head.run(f"cat {shlex.quote(auth_token_path(cfg, head.name))} 2>/dev/null", timeout=60)
+    return r.stdout.strip() if r.ok else ""
+
+
+def _install_token(cfg, node: Node, token: str) -> None:
+    path = auth_token_path(cfg, node.name)
+    d = shlex.quote(str(Path(path).parent))
+    r = node.run(f"umask 077 && mkdir -p {d} && chmod 700 {d}", timeout=60)
+    if not r.ok:
+        raise ClusterError(f"{node.name}: cannot create {Path(path).parent}: {r.tail(3)}")
+    fd, tmp = tempfile.mkstemp(prefix="v4-token-")          # 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        node.put(tmp, path)
+    finally:
+        os.unlink(tmp)
+    r = node.run(f"chmod 600 {shlex.quote(path)}", timeout=60)
+    if not r.ok:
+        raise ClusterError(f"{node.name}: cannot protect {path}: {r.tail(3)}")
 
 
 def site_env(cfg) -> dict[str, str]:
@@ -107,7 +143,7 @@ def site_env(cfg) -> dict[str, str]:
 
 
 def _node_env(cfg) -> dict[str, str]:
-    env: dict[str, str] = {**RAY_AUTH_ENV, **site_env(cfg)}
+    env: dict[str, str] = site_env(cfg)
     if str(cfg["V4_MASTER_IP"]).startswith("127."):
         # Otherwise Ray silently advertises the default-route address instead of loopback.
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -139,7 +175,7 @@ def cluster_commands(cfg, force: bool = False) -> list[NodeCommands]:
     out = []
     for i, ip in enumerate(cfg.nodes):
         local, state = node_local_dir(cfg, ip), ray_state_dir(cfg, ip)
-        ctx = dict(common, ip=ip, state_dir=state)
+        ctx = dict(common, ip=ip, state_dir=state, env={**common["env"], **auth_env(cfg, ip)})
         run_container = rm_container = ""
         if container:
             mounts = list(cfg.get("V4_DOCKER_MOUNTS", []) or [])
@@ -204,7 +240,7 @@ class ClusterStatus:
 def _probe_gcs(cfg, head: Node, timeout: float = 45) -> dict:
     cmd = (f"{shlex.quote(python_on_nodes(cfg))} - {gcs_address(cfg)} {dashboard_url(cfg)} "
            f"<<'V4_GCS'\n{source('ray_gcs')}V4_GCS\n")
-    r = head.run(cmd, env=RAY_AUTH_ENV, timeout=timeout)
+    r = head.run(cmd, env=auth_env(cfg, head.name), timeout=timeout)
     if not r.ok:
         return {"gcs_ok": False, "error": f"probe on {head.name} failed (rc {r.rc}): {r.tail(5)}",
                 "nodes": [], "dashboard_ok": False, "jobs": None}
@@ -320,13 +356,21 @@ def up(cfg, nodes: list[Node] | None = None, progress: Progress = _stderr) -> Cl
                "docker run")
     head_started = _needs_start(head) or not st.gcs_ok
     if head_started:
+        token = secrets.token_urlsafe(32)     # a new head, a new token
+        _install_token(cfg, by_ip[head.ip], token)
         progress(f"head {head.ip}: starting Ray (GCS :{cfg['V4_RAY_PORT']}, dashboard :{cfg['V4_DASHBOARD_PORT']})")
         _check([by_ip[head.ip].run(cmds[0].start)], "ray start (head)")
         todo = cmds[1:]                       # a new head: every worker must (re)join it
     else:
+        token = read_auth_token(cfg, by_ip[head.ip])
+        if not token:
+            raise ClusterError(f"the Ray head on {head.ip} has no auth token (started by an earlier v4, without token "
+                               "auth): workers started now could not join it", fix="`v4 cluster down`, then `v4 cluster up`")
         todo = [c for c, ns in zip(cmds[1:], st.nodes[1:]) if _needs_start(ns)]
     if todo:
         progress(f"workers: starting Ray on {', '.join(c.ip for c in todo)}")
+        _check(fan_out([by_ip[c.ip] for c in todo], lambda n: _install_token(cfg, n, token) or Result(n.name, 0, "", "")),
+               "auth token")
         _check(fan_out([by_ip[c.ip] for c in todo], lambda n: n.run(next(c for c in todo if c.ip == n.name).start)),
                "ray start (worker)")
     wait_ready(cfg, nodes, progress=progress)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from launcher.cluster import dashboard_url
+from launcher.cluster import dashboard_url, read_auth_token
 from launcher.errors import ClusterError, JobError
 from launcher.nodes import python_on_nodes
 
@@ -54,8 +54,11 @@ def client(cfg):
     """A JobSubmissionClient for the cluster's dashboard (ClusterError if nothing answers)."""
     from ray.job_submission import JobSubmissionClient
     url = dashboard_url(cfg)
+    # the token goes in this client's header, not the process environment: Ray caches a token per process, and one
+    # process may talk to several clusters (each with its own)
+    token = read_auth_token(cfg)
     try:
-        return JobSubmissionClient(url)
+        return JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"} if token else None)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ClusterError(f"the Ray Jobs API at {url} does not answer: {e}",
                            fix="`v4 cluster up` (or `v4 cluster status` to see what is wrong)") from None

@@ -1,4 +1,4 @@
-"""`v4 cluster up | down | status | probe`: Ray on the configured nodes."""
+"""`v4 cluster up | down | status | probe | token`: Ray on the configured nodes."""
 from __future__ import annotations
 
 import json
@@ -83,6 +83,21 @@ def status(selection, as_json):
     click.echo(json.dumps(st.to_json(), indent=2) if as_json else render_status(st))
     if not st.healthy:
         sys.exit(CLUSTER_FAILED)
+
+
+@cluster.command("token")
+@config_options()
+def token(selection):
+    """Print the running cluster's Ray auth token, for clients outside v4 (`Authorization: Bearer <token>`).
+    Exit 5 when the head has none."""
+    from launcher import cluster as c
+    cfg = load_config(selection)
+    tok = c.read_auth_token(cfg)
+    if not tok:
+        click.echo(f"error: no Ray auth token on the head ({c.auth_token_path(cfg, cfg.nodes[0])}); "
+                   "`v4 cluster up` writes one when it starts Ray", err=True)
+        sys.exit(CLUSTER_FAILED)
+    click.echo(tok)
 
 
 @cluster.command("probe")

@@ -29,10 +29,16 @@ else:
         out["gcs_ok"] = True
     except Exception as e:  # noqa: BLE001 - reported to the launcher
         out["error"] = f"{type(e).__name__}: {e}"
+headers = {}
+if os.environ.get("RAY_AUTH_MODE") == "token":   # the GCS client above reads the same file by itself
+    try:
+        headers["Authorization"] = "Bearer " + open(os.environ["RAY_AUTH_TOKEN_PATH"]).read().strip()
+    except (KeyError, OSError) as e:
+        out["dashboard_error"] = f"no auth token: {e}"
 try:
-    with urllib.request.urlopen(dashboard + "/api/version", timeout=3) as r:
+    with urllib.request.urlopen(urllib.request.Request(dashboard + "/api/version", headers=headers), timeout=3) as r:
         out["dashboard_ok"] = r.status == 200
-    with urllib.request.urlopen(dashboard + "/api/jobs/", timeout=5) as r:
+    with urllib.request.urlopen(urllib.request.Request(dashboard + "/api/jobs/", headers=headers), timeout=5) as r:
         out["jobs"] = [{k: j.get(k) for k in ("submission_id", "job_id", "status", "entrypoint",
                                               "start_time", "end_time", "message")} for j in json.load(r)]
 except Exception as e:  # noqa: BLE001

@@ -76,6 +76,25 @@ def test_local_up_and_probe(local_cfg):
     assert "V4_PROBE" in run.step_log("probe").read_text()
 
 
+def test_the_cluster_refuses_what_has_no_token(local_cfg):
+    """Ray's token auth is on: the Jobs API answers 401 without the token (a job there would run code on every node),
+    and the token sits in a directory only its owner can read."""
+    import stat
+    import urllib.error
+    import urllib.request
+    url = cluster.dashboard_url(local_cfg) + "/api/jobs/"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url, timeout=30)
+    assert e.value.code == 401
+    token = cluster.read_auth_token(local_cfg)
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    assert urllib.request.urlopen(req, timeout=30).status == 200
+    path = Path(cluster.auth_token_path(local_cfg, "127.0.0.1"))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert len(token) >= 32
+    assert v4(local_cfg, "cluster", "token").stdout.strip() == token
+
+
 def test_failing_job_and_timeout(local_cfg):
     bad = jobs.submit_and_wait(local_cfg, _job("t-fail-" + str(time.time_ns()), "import sys; print('boom'); sys.exit(7)"))
     assert not bad.ok and bad.status == "FAILED" and bad.exit_code == 7 and "boom" in bad.log_tail
