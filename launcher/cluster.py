@@ -111,19 +111,22 @@ def read_auth_token(cfg, head: Node | None = None) -> str:
 
 
 def _install_token(cfg, node: Node, token: str) -> None:
-    path = auth_token_path(cfg, node.name)
-    d = shlex.quote(str(Path(path).parent))
-    r = node.run(f"umask 077 && mkdir -p {d} && chmod 700 {d}", timeout=60)
+    # On the host, where `put` writes (the state directory is mounted at the same path in a container, whose root reads
+    # the file); only the token's own directory is private, the state directory keeps its usual mode.
+    host, path = node.host(), auth_token_path(cfg, node.name)
+    d = Path(path).parent
+    r = host.run(f"mkdir -p {shlex.quote(str(d.parent))} && (umask 077 && mkdir -p {shlex.quote(str(d))}) && "
+                 f"chmod 700 {shlex.quote(str(d))}", timeout=60)
     if not r.ok:
-        raise ClusterError(f"{node.name}: cannot create {Path(path).parent}: {r.tail(3)}")
+        raise ClusterError(f"{node.name}: cannot create {d}: {r.tail(3)}")
     fd, tmp = tempfile.mkstemp(prefix="v4-token-")          # 0600
     try:
         with os.fdopen(fd, "w") as f:
             f.write(token)
-        node.put(tmp, path)
+        host.put(tmp, path)
     finally:
         os.unlink(tmp)
-    r = node.run(f"chmod 600 {shlex.quote(path)}", timeout=60)
+    r = host.run(f"chmod 600 {shlex.quote(path)}", timeout=60)
     if not r.ok:
         raise ClusterError(f"{node.name}: cannot protect {path}: {r.tail(3)}")
 
