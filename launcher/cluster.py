@@ -21,7 +21,7 @@ from typing import Callable
 
 from launcher.errors import ClusterError
 from launcher.node_scripts import source
-from launcher.nodes import Node, Result, fan_out, node_local_dir, nodes_from_config, python_on_nodes
+from launcher.nodes import HostKeyError, Node, Result, fan_out, node_local_dir, nodes_from_config, python_on_nodes
 
 TEMPLATES = Path(__file__).parent / "templates"
 STATUS_SCHEMA = 1
@@ -105,8 +105,16 @@ def auth_env(cfg, ip: str) -> dict[str, str]:
 
 def read_auth_token(cfg, head: Node | None = None) -> str:
     """The running cluster's token, read from the head ('' when there is none: not up, or started without auth)."""
+    own = head is None
     head = head or nodes_from_config(cfg)[0]
-    r = head.run(f"cat {shlex.quote(auth_token_path(cfg, head.name))} 2>/dev/null", timeout=60)
+    try:
+        r = head.run(f"cat {shlex.quote(auth_token_path(cfg, head.name))} 2>/dev/null", timeout=60)
+    except (ConnectionError, OSError, HostKeyError) as e:       # SSH: unreachable, refused, authentication, host key
+        raise ClusterError(f"cannot read the Ray auth token from the head {head.name}: {e}",
+                           fix="`v4 preflight --only ssh` shows what is wrong with SSH to it") from None
+    finally:
+        if own and hasattr(head, "close"):        # an SSH connection opened only for this
+            head.close()
     return r.stdout.strip() if r.ok else ""
 
 

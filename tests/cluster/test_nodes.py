@@ -175,3 +175,15 @@ def test_ssh_put_get_and_fan_out_with_one_host_down(netns_cluster, tmp_path):
 def test_ssh_exit_124_is_not_mistaken_for_a_timeout(netns_cluster):
     r = _ssh(netns_cluster, netns_cluster.hosts[0]).run("exit 124", timeout=30)
     assert r.rc == 124 and "timed out" not in r.stderr
+
+
+@pytest.mark.netns
+def test_auth_token_from_an_unreachable_head_is_a_cluster_error(netns_cluster):
+    """The Jobs client reads the cluster's token from the head over SSH: when that fails, the launcher's own error
+    (with its fix) comes out, not paramiko's."""
+    from launcher.cluster import read_auth_token
+    from launcher.errors import ClusterError
+    c = netns_cluster
+    head = _ssh(c, c.hosts[0], port=2222, retries=1)                    # nothing listens there
+    with pytest.raises(ClusterError, match=f"auth token from the head {c.hosts[0].ip}"):
+        read_auth_token({"V4_LOCAL_DIR": "/tmp/v4-{node_ip}", "V4_RAY_PORT": 6479}, head)
