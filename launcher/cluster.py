@@ -118,7 +118,7 @@ def read_auth_token(cfg, head: Node | None = None) -> str:
     return r.stdout.strip() if r.ok else ""
 
 
-def _install_token(cfg, node: Node, token: str) -> None:
+def _install_token(cfg, node: Node, token: str) -> Result:
     # On the host, where `put` writes (the state directory is mounted at the same path in a container, whose root reads
     # the file); only the token's own directory is private, the state directory keeps its usual mode.
     host, path = node.host(), auth_token_path(cfg, node.name)
@@ -137,6 +137,7 @@ def _install_token(cfg, node: Node, token: str) -> None:
     r = host.run(f"chmod 600 {shlex.quote(path)}", timeout=60)
     if not r.ok:
         raise ClusterError(f"{node.name}: cannot protect {path}: {r.tail(3)}")
+    return r
 
 
 def site_env(cfg) -> dict[str, str]:
@@ -380,7 +381,7 @@ def up(cfg, nodes: list[Node] | None = None, progress: Progress = _stderr) -> Cl
         todo = [c for c, ns in zip(cmds[1:], st.nodes[1:]) if _needs_start(ns)]
     if todo:
         progress(f"workers: starting Ray on {', '.join(c.ip for c in todo)}")
-        _check(fan_out([by_ip[c.ip] for c in todo], lambda n: _install_token(cfg, n, token) or Result(n.name, 0, "", "")),
+        _check(fan_out([by_ip[c.ip] for c in todo], lambda n: _install_token(cfg, n, token)),
                "auth token")
         _check(fan_out([by_ip[c.ip] for c in todo], lambda n: n.run(next(c for c in todo if c.ip == n.name).start)),
                "ray start (worker)")
