@@ -53,6 +53,54 @@ __device__ __forceinline__ int v4_any_rescale(const float* alpha) {
   return __any_sync(0xffffffffu, (alpha[0] != 1.0f) | (alpha[1] != 1.0f));
 }
 """
+# CUDA prepended to both kernels. TileLang builds without --use_fast_math, so T.exp2 is CUDA's exp2f: the MUFU.EX2 that
+# v4_ex2 issues, behind a range check and two predicated multiplies that keep results below 2^-126 subnormal (~6
+# instructions an exponential in the forward's softmax instead of an FFMA and the MUFU). Flushing those to zero changes
+# nothing a softmax can see: in the forward each term is divided by a row sum >= 1 (the term that set the running max
+# is exp2(0)), in the backward each P is a probability. Same MUFU, so normal-range results are bit for bit CUDA's.
+FAST_EX2 = r"""
+__device__ __forceinline__ float v4_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+# Row max and row sum of a 64 x N wgmma accumulator (one warpgroup; N = FWD_BLOCK), in the register layout TileLang
+# gives it (DKV_RED4 reads the same layout): a thread holds rows r and r + 8 (h = 0, 1), its elements of row h at acc[4j + 2h]
+# and acc[4j + 2h + 1], j < N / 8, and the quad's 4 lanes hold the row between them; `out` is a [64] fragment, 2 a thread.
+# A tree, where T.reduce_max / T.reduce_sum emit a chain of N / 4 dependent instructions: the softmax runs on one warp
+# a scheduler, so each link of a chain costs its full latency.
+ROW_REDUCE = r"""
+template <int W, bool MAX>
+__device__ __forceinline__ void v4_tree(float* t) {    // t[k] (op)= t[k + W], then W / 2, ...: t[0] holds the result
+  if constexpr (W >= 1) {
+    #pragma unroll
+    for (int k = 0; k < W; ++k) t[k] = MAX ? fmaxf(t[k], t[k + W]) : t[k] + t[k + W];
+    v4_tree<W / 2, MAX>(t);
+  }
+}
+
+template <int N, bool MAX>
+__device__ __forceinline__ void v4_row_reduce(const float* acc, float* out) {
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float t[N / 4];
+    #pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+      t[2 * j] = acc[4 * j + 2 * h];
+      t[2 * j + 1] = acc[4 * j + 2 * h + 1];
+    }
+    v4_tree<N / 8, MAX>(t);
+    float x = t[0];
+    #pragma unroll
+    for (int lane = 1; lane <= 2; lane *= 2) {
+      float y = __shfl_xor_sync(0xffffffffu, x, lane);
+      x = MAX ? fmaxf(x, y) : x + y;
+    }
+    out[h] = MAX ? fmaxf(out[h], x) : x;       // max: folded into the running max; sum: the block's row sum
+  }
+}
+"""
 # The backward is warp-specialized by hand and synchronizes with mbarriers (TileLang's own warp
 # specialization and storage-sync passes off), and its global accesses are in bounds by construction
 # (grid = S x B; an index is checked before it addresses dKV; TMA fills out-of-range rows), so the bounds
@@ -69,6 +117,12 @@ BWD_PASS_CONFIGS: dict[str, object] = {
 def valid(idx, N):
     """A top-k slot that names a row of KV (as a TileLang expression): -1 and anything >= N are padding."""
     return (idx >= 0) & (idx < N)
+
+
+def ex2(x):
+    """2^x as one MUFU.EX2 (see FAST_EX2), as a TileLang expression."""
+    import tilelang.language as T
+    return T.call_extern("float32", "v4_ex2", x)
 
 
 def _frozen(cfg: dict | None) -> tuple:
@@ -115,13 +169,13 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.wait_wgmma(0)
         T.copy(m, m_prev)
-        T.reduce_max(acc_s, m, dim=1, clear=False)
+        T.call_extern("handle", f"v4_row_reduce<{BI}, true>", acc_s.data, m.data)
         for h in T.Parallel(HB):
             m[h] = T.if_then_else((m[h] - m_prev[h]) * scale2 > LAZY_RESCALE_LOG2, m[h], m_prev[h])
-            alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
+            alpha[h] = ex2((m_prev[h] - m[h]) * scale2)
         for h, j in T.Parallel(HB, BI):
-            acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
-        T.reduce_sum(acc_s, l_blk, dim=1)
+            acc_s[h, j] = ex2(acc_s[h, j] * scale2 - m[h] * scale2)
+        T.call_extern("handle", f"v4_row_reduce<{BI}, false>", acc_s.data, l_blk.data)
         for h in T.Parallel(HB):
             l[h] = l[h] * alpha[h] + l_blk[h]
         rescale = T.alloc_var(T.int32)
@@ -180,7 +234,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         O: T.Tensor([B, S, heads, dim], bf16),
         Lse: T.Tensor([B, S, heads], f32),
     ):
-        with T.Kernel(S * rep, B, threads=384, prelude=RESCALE_VOTE) as (bx, b):
+        with T.Kernel(S * rep, B, threads=384, prelude=RESCALE_VOTE + FAST_EX2 + ROW_REDUCE) as (bx, b):
             s = bx // rep                      # the `rep` head blocks of a query run side by side: L2 reuse
             h0 = (bx % rep) * HB
             q_l = T.alloc_shared([HB, D2], bf16)
@@ -385,7 +439,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
                          policy=T.GemmWarpPolicy.FullRow)
         T.wait_wgmma(0)
         for h, j in T.Parallel(HB, BS):
-            acc_p[h, j] = T.if_then_else(valid(Idx[b, s, i * BS + j], N), T.exp2(acc_p[h, j] * scale2 - lse_sh[h]), 0)
+            acc_p[h, j] = T.if_then_else(valid(Idx[b, s, i * BS + j], N), ex2(acc_p[h, j] * scale2 - lse_sh[h]), 0)
         for h, j in T.Parallel(HB, BS):
             acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_sh[h]) * sm_scale
         T.copy(acc_dp, ds_loc)
@@ -433,7 +487,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         dSink: T.Tensor([heads], f32),
         dQ: T.Tensor([B, S, heads, dim], bf16),
     ):
-        with T.Kernel(S * rep, B, threads=256, prelude=DKV_RED4) as (bx, b):
+        with T.Kernel(S * rep, B, threads=256, prelude=DKV_RED4 + FAST_EX2) as (bx, b):
             s = bx // rep
             h0 = (bx % rep) * HB
             q_sh = T.alloc_shared([HB, dim], bf16)
