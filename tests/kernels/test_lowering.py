@@ -58,6 +58,39 @@ def test_sparse_attn_bwd_lowers_without_aggressive_merge():
     assert "pds_full1[0].wait(" in loop, "P and dS are no longer double-buffered between the warpgroups"
 
 
+
+def _ptxas_report(source: str, tmp_path) -> str:
+    """Compile lowered CUDA for sm_90a with TileLang's own nvcc and flags; return ptxas's resource report."""
+    import re
+    import shutil
+    import subprocess
+    from tilelang.contrib import nvcc
+    compiler = nvcc.get_nvcc_compiler()
+    if not shutil.which(compiler):
+        pytest.skip(f"no nvcc ({compiler}) to compile the kernels with")
+    cu = tmp_path / "kernel.cu"
+    cu.write_text(source)
+    cmd = [compiler, "--cubin", "-O3", "-arch=sm_90a", *nvcc.default_compile_options(), "-Xptxas=-v", str(cu),
+           "-o", str(tmp_path / "kernel.cubin")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, f"nvcc failed on the lowered kernel:\n{done.stderr[-3000:]}"
+    assert re.search(r"Used \d+ registers", done.stderr), done.stderr[-2000:]
+    return done.stderr
+
+
+def test_sparse_attn_kernels_compile_and_the_forward_does_not_spill(tmp_path):
+    """Lowering stops at CUDA source, so the CUDA the kernels prepend (RESCALE_VOTE, FAST_EX2, ROW_REDUCE, DKV_RED4) is
+    only ever compiled here and on the GPU host. The forward's warpgroups run at the register counts setmaxnreg gives
+    them: a spill is local-memory traffic in the loop (a tree reduction written with a loop nvcc did not unroll put its
+    16 values in local memory: 24 bytes of spills, and the softmax went through the stack)."""
+    import re
+    from dsv4.kernels import tilelang_sparse_attn as sa
+    fwd = _ptxas_report(_lower(sa.fwd_program(64, 512, 640, 512 ** -0.5), sa.FWD_PASS_CONFIGS), tmp_path)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", fwd)]
+    report = "\n".join(line for line in fwd.splitlines() if "ptxas" in line or "spill" in line)
+    assert spills and max(spills) == 0, f"the forward spills registers:\n{report}"
+    _ptxas_report(_lower(sa.bwd_program(64, 512, 640, 512 ** -0.5), sa.BWD_PASS_CONFIGS), tmp_path)
+
 def test_indexer_lowers():
     from dsv4.kernels import tilelang_indexer as ix
     assert "wgmma" in _lower(ix.indexer_program(64, 128, 4))
