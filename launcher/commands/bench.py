@@ -6,6 +6,8 @@ FLOPs are counted explicitly, per query token and head, over all K index slots (
   indexer logits           : 2 * N * Di       (q.k for every compressed entry, causal half included)
 TFLOP/s = FLOPs / median time of `--iters` timed runs after warm-up (CUDA events); the fastest and
 slowest of those runs are printed beside it, so noise between runs of the same kernel is visible.
+Each TileLang row also gives its speedup over the torch fallback timed in the same run (median over median),
+and, at the shapes issue 5 sets goals for (one H200), whether the median meets the goal.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class AttnShape:
     K: int
     ops: tuple[str, ...] = ("fwd", "bwd")
     upstream: tuple[tuple[str, str], ...] = ()   # (op, the upstream TileLang example measured there; environment.md)
+    goals: tuple[tuple[str, float], ...] = ()      # (op, TFLOP/s the kernels must reach on one H200)
 
     def __str__(self) -> str:
         return f"{self.name}: B{self.B} S{self.S} N{self.N} H{self.H} D{self.D} top-k {self.K} ({', '.join(self.ops)})"
@@ -37,10 +40,16 @@ class AttnShape:
     def note(self, op: str) -> str:
         return dict(self.upstream).get(op, "")
 
+    def row_note(self, op: str, tflops: float) -> str:
+        """The note of a TileLang row: the upstream figure at this shape, and whether the goal for the pass is met."""
+        goal = dict(self.goals).get(op)
+        status = f"goal (H200) {goal:.0f}: {'met' if tflops >= goal else 'NOT met'}" if goal is not None else ""
+        return "; ".join(n for n in (self.note(op), status) if n)
+
 
 SHAPE_SETS = {
     "flash": [AttnShape("v4-flash", 1, 4096, 5120, 64, 512, 640, ("fwd", "bwd"),
-                        (("fwd", "upstream V4 illustration: 320"),))],
+                        (("fwd", "upstream V4 illustration: 320"),), (("fwd", 550.0), ("bwd", 250.0)))],
     "upstream": [
         AttnShape("v4-fwd-example", 1, 4096, 8192, 128, 512, 1024, ("fwd",), (("fwd", "upstream V4 illustration: 354"),)),
         AttnShape("v32-fwd", 1, 4096, 4096, 128, 512, 2048, ("fwd",), (("fwd", "upstream V3.2 fwd (D576): 331"),)),
@@ -61,6 +70,7 @@ class Row:
     note: str = ""
     ms_min: float | None = None
     ms_max: float | None = None
+    vs_torch: float | None = None      # torch fallback's median / this row's, same shape and pass, same run
 
     @classmethod
     def timed(cls, shape: str, op: str, impl: str, times: list[float], flops: int, note: str = "") -> "Row":
@@ -110,7 +120,9 @@ def bench_attention(sh: AttnShape, ops: tuple[str, ...], torch_fallback: bool, w
     runs = {"fwd": lambda: tl._fwd(qp, kvb, sinkp, idxp, scale),
             "bwd": lambda: tl._bwd(qp, kvb, sinkp, idxp, o, lse2, dop, scale)}
     for op in ops:
-        rows.append(Row.timed(sh.name, op, "tilelang", _times_ms(runs[op], warmup, iters), flops[op], sh.note(op)))
+        row = Row.timed(sh.name, op, "tilelang", _times_ms(runs[op], warmup, iters), flops[op])
+        row.note = sh.row_note(op, row.tflops)
+        rows.append(row)
     if torch_fallback:
         for op in ops:
             try:
@@ -173,10 +185,11 @@ def bench_kernels(shapes, ops, no_torch, indexer, warmup, iters, as_json):
         for sh in SHAPE_SETS[set_name]:
             shape_ops = tuple(o for o in ops if o in sh.ops)
             click.echo(f"[bench] {sh}", err=True)
-            shapes_used.append({**asdict(sh), "upstream": dict(sh.upstream)})
+            shapes_used.append({**asdict(sh), "upstream": dict(sh.upstream), "goals": dict(sh.goals)})
             rows += bench_attention(sh, shape_ops, not no_torch, warmup, iters)
     if indexer:
         rows += bench_indexer(warmup, iters)
+    with_speedups(rows)
     report = {"device": torch.cuda.get_device_name(), "flops": {"fwd": FWD_FLOPS, "bwd": BWD_FLOPS,
               "indexer": "2*B*S*N*Hi*Di"}, "shapes": shapes_used, "rows": [asdict(r) for r in rows]}
     if as_json:
@@ -186,12 +199,23 @@ def bench_kernels(shapes, ops, no_torch, indexer, warmup, iters, as_json):
     click.echo(table(rows))
 
 
+def with_speedups(rows: list[Row]) -> list[Row]:
+    """Set each TileLang row's speedup over the torch row of the same shape and pass (when that one ran)."""
+    torch_ms = {(r.shape, r.op): r.ms for r in rows if r.impl == "torch" and r.ms is not None}
+    for r in rows:
+        base = torch_ms.get((r.shape, r.op))
+        if r.impl == "tilelang" and r.ms is not None and base is not None:
+            r.vs_torch = base / r.ms
+    return rows
+
+
 def table(rows: list[Row]) -> str:
-    """ms is the median; min-max the fastest and slowest timed run."""
-    lines = [f"{'shape':<40} {'op':<4} {'impl':<9} {'ms':>9} {'min-max':>17} {'TFLOP/s':>8}  note"]
+    """ms is the median; min-max the fastest and slowest timed run; vs torch the speedup over the fallback."""
+    lines = [f"{'shape':<40} {'op':<4} {'impl':<9} {'ms':>9} {'min-max':>17} {'TFLOP/s':>8} {'vs torch':>8}  note"]
     for r in rows:
         ms = f"{r.ms:.3f}" if r.ms is not None else "-"
         spread = f"{r.ms_min:.3f}-{r.ms_max:.3f}" if r.ms_min is not None else "-"
         tf = f"{r.tflops:.1f}" if r.tflops is not None else "-"
-        lines.append(f"{r.shape:<40} {r.op:<4} {r.impl:<9} {ms:>9} {spread:>17} {tf:>8}  {r.note}")
+        vs = f"{r.vs_torch:.1f}x" if r.vs_torch is not None else "-"
+        lines.append(f"{r.shape:<40} {r.op:<4} {r.impl:<9} {ms:>9} {spread:>17} {tf:>8} {vs:>8}  {r.note}")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""`v4 bench kernels` off the GPU: what it refuses, that each upstream figure stays with its own pass, and
-the median / min-max of each row."""
+"""`v4 bench kernels` off the GPU: what it refuses, that each upstream figure and goal stays with its own pass,
+the median / min-max of each row, and each TileLang row's speedup over the torch row of its shape and pass."""
 import math
 import subprocess
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.commands.bench import SHAPE_SETS, Row, table
+from launcher.commands.bench import SHAPE_SETS, Row, table, with_speedups
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,6 +31,26 @@ def test_rows_carry_the_spread_of_their_runs():
     assert "0.850" in lines[1] and "0.800-0.900" in lines[1] and "4.7" in lines[1]
     assert lines[2].split()[3:6] == ["-", "-", "-"] and lines[2].endswith("out of memory")
 
+
+
+def test_goals_are_judged_per_pass():
+    flash = SHAPE_SETS["flash"][0]
+    assert flash.row_note("fwd", 549.9) == "upstream V4 illustration: 320; goal (H200) 550: NOT met"
+    assert flash.row_note("fwd", 550.0).endswith("goal (H200) 550: met")
+    assert flash.row_note("bwd", 251.0) == "goal (H200) 250: met"
+    v32 = SHAPE_SETS["upstream"][1]
+    assert v32.row_note("fwd", 1.0) == v32.note("fwd")          # no goal at the upstream shapes
+
+
+def test_speedup_is_over_the_torch_row_of_the_same_shape_and_pass():
+    rows = [Row("a", "fwd", "tilelang", 0.5, 1.0), Row("a", "bwd", "tilelang", 2.0, 1.0),
+            Row("a", "fwd", "torch", 10.0, 0.1), Row("a", "bwd", "torch", None, None, "out of memory"),
+            Row("b", "fwd", "tilelang", 1.0, 1.0)]
+    with_speedups(rows)
+    assert [r.vs_torch for r in rows] == [20.0, None, None, None, None]
+    lines = table(rows).splitlines()
+    assert "vs torch" in lines[0]
+    assert lines[1].split()[6] == "20.0x" and lines[2].split()[6] == "-" and lines[5].split()[6] == "-"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_refuses_without_a_gpu():
