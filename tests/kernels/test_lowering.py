@@ -58,7 +58,6 @@ def test_sparse_attn_bwd_lowers_without_aggressive_merge():
     assert "pds_full1[0].wait(" in loop, "P and dS are no longer double-buffered between the warpgroups"
 
 
-
 def _ptxas_report(source: str, tmp_path) -> str:
     """Compile lowered CUDA for sm_90a with TileLang's own nvcc and flags; return ptxas's resource report."""
     import re
@@ -90,6 +89,7 @@ def test_sparse_attn_kernels_compile_and_the_forward_does_not_spill(tmp_path):
     report = "\n".join(line for line in fwd.splitlines() if "ptxas" in line or "spill" in line)
     assert spills and max(spills) == 0, f"the forward spills registers:\n{report}"
     _ptxas_report(_lower(sa.bwd_program(64, 512, 640, 512 ** -0.5), sa.BWD_PASS_CONFIGS), tmp_path)
+
 
 def test_indexer_lowers():
     from dsv4.kernels import tilelang_indexer as ix
