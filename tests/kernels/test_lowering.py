@@ -64,7 +64,10 @@ def _ptxas_report(source: str, tmp_path) -> str:
     import shutil
     import subprocess
     from tilelang.contrib import nvcc
-    compiler = nvcc.get_nvcc_compiler()
+    try:
+        compiler = nvcc.get_nvcc_compiler()
+    except RuntimeError as e:                       # TileLang found no CUDA installation
+        pytest.skip(f"no CUDA toolkit to compile the kernels with: {e}")
     if not shutil.which(compiler):
         pytest.skip(f"no nvcc ({compiler}) to compile the kernels with")
     cu = tmp_path / "kernel.cu"
