@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jinja2
 
-from launcher.cluster import auth_token_path, dashboard_url, site_env
+from launcher.cluster import auth_env, dashboard_url, site_env
 from launcher.config import Config
 from launcher.nodes import python_on_nodes
 
@@ -182,7 +182,7 @@ def job_step(cfg: Config, name: str, run_id: str, run_dir: str) -> Step:
     else:
         job.submit = TEMPLATES.get_template("job_submit.sh.j2").render(
             address=dashboard_url(cfg), job=job, runtime_env_json=json.dumps(runtime_env),
-            token_path=auth_token_path(cfg, cfg.nodes[0]))
+            auth_env=auth_env(cfg, cfg.nodes[0]))   # the head's token file: the client runs there
     resolve_io = lambda keys: [cfg[k] if k in cfg else f"{run_dir}/{k}" for k in keys]
     return Step(name, "job", d.doc, job=job, inputs=resolve_io(d.inputs), outputs=resolve_io(d.outputs),
                 module=d.module)
