@@ -34,6 +34,7 @@ FWD_BLOCK = 64           # KV rows per pipeline stage in the forward
 BWD_BLOCK = 64           # KV rows per step in the backward: the dkv GEMMs' M (wgmma needs 64)
 BWD_DKV_COLS = 128       # dkv columns computed and added at a time (registers next to dq's 64 x D/2)
 TOPK_MULTIPLE = 2 * FWD_BLOCK   # the forward consumes stages in pairs, the backward P/dS buffers
+H200_SMS = 132                  # the persistent forward's grid where no GPU says otherwise (lowering on a CPU machine)
 
 # TileLang pass configs, keyed by their string names so they mean the same thing across tilelang
 # versions. The backward must never run with aggressive shared-memory merge: on tilelang 0.1.9-0.1.10
@@ -133,15 +134,20 @@ def _frozen(cfg: dict | None) -> tuple:
 # Kernel programs
 # --------------------------------------------------------------------------------------------------
 
-def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
+def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int = H200_SMS):
     """Forward PrimFunc: (Q[B,S,H,D] bf16, KV[B,N,D] bf16, Idx[B,S,topk] i32, Sink[H] f32)
     -> (O[B,S,H,D] bf16, Lse2[B,S,H] f32). B, S, N are dynamic.
 
-    Warp-specialized, 384 threads: warpgroup 2 loads Q (TMA) together with block 0, then gathers KV rows
-    (predicated cp.async, two stages) and their padding masks;
-    warpgroup 0 computes scores over all of D, the online softmax and O[:, :D/2] (P from its
-    registers); warpgroup 1 computes O[:, D/2:] from the probabilities warpgroup 0 leaves in shared
-    memory. Splitting O keeps each accumulator at 64 x D/2 fp32 (128 registers a thread at D = 512)."""
+    Persistent: `num_ctas` CTAs (one an SM) take the (batch, query, 64-head block) items in turn, so
+    one item's tail overlaps the next one's loads (as one CTA an item, Q and block 0 in and O out cost
+    ~5.8 us of a CTA's ~24 at V4-Flash, with nothing else running on the SM meanwhile).
+    Warp-specialized, 384 threads: warpgroup 2 gathers KV rows (predicated cp.async, two stages) and
+    their padding masks; warpgroup 0 computes scores over all of D, the online softmax and O[:, :D/2]
+    (P from its registers); warpgroup 1 computes O[:, D/2:] from the probabilities warpgroup 0 leaves
+    in shared memory. Splitting O keeps each accumulator at 64 x D/2 fp32 (128 registers a thread at
+    D = 512). Warpgroup 0 loads the next item's Q by TMA as soon as its last score GEMM has read Q,
+    and an item's O leaves through the stage of its last block (one TMA store a warpgroup); the
+    producer refills that stage with the next item's block 1 once the stores have read it."""
     import tilelang.language as T
 
     assert heads % HEAD_BLOCK == 0, f"heads={heads} must be a multiple of {HEAD_BLOCK} (pad on the host)"
@@ -150,7 +156,9 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
     B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
     HB, BI, D2 = HEAD_BLOCK, FWD_BLOCK, dim // 2
     rep = heads // HB
-    n_pairs = topk // (2 * BI)
+    nb = topk // BI                    # blocks an item; even, so block nb - 1 is in stage 1
+    n_pairs = nb // 2
+    n_hand = nb + 1                    # P hand-offs an item: one a block, then the final scale
     scale2 = sm_scale * LOG2E
     bf16, f32 = T.bfloat16, T.float32
     neg_big = -(2.0 ** 30)      # finite "no score yet": keeps (m_prev - m) free of inf - inf
@@ -158,8 +166,26 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         return T.if_then_else(valid(idx, N), KV[b, T.max(idx, 0), d], T.cast(0, bf16))
 
     @T.macro
-    def scores_and_pv_l(N, i, q_l, q_r, kv_l, kv_r, mask, full, empty, phase, acc_s, m, m_prev, alpha, l, l_blk,
-                        acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_loc):
+    def coords(item, c):
+        # (batch, query, first head) of an item, computed once into registers: left as expressions, TileLang
+        # inlined their 64-bit divisions into every address of the gather, which then took twice as long
+        c[0] = item // (S * rep)
+        c[1] = item // rep % S            # the `rep` head blocks of a query are neighbours: L2 reuse
+        c[2] = item % rep * HB
+
+    @T.macro
+    def load_q(Q, b, s, h0, q_l, q_r, bar_q):
+        # one thread issues 64-column boxes (Q copied by the producer's threads cost 1.5-4 % more)
+        for c in T.unroll(D2 // 64):
+            T.tma_copy(Q[b, s, h0:h0 + HB, c * 64:c * 64 + 64], q_l[:, c * 64:c * 64 + 64], barrier=bar_q,
+                       leader_scope_threads=128)
+            T.tma_copy(Q[b, s, h0:h0 + HB, D2 + c * 64:D2 + c * 64 + 64], q_r[:, c * 64:c * 64 + 64], barrier=bar_q,
+                       leader_scope_threads=128)
+        T.barrier_arrive(bar_q)
+
+    @T.macro
+    def scores_and_pv_l(N, i, hand, last_stage, Q, nxt, b1, s1, h1, q_l, q_r, kv_l, kv_r, mask, full, empty, phase,
+                        acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_loc, bar_q):
         # warpgroup 0, block i: scores, online softmax, hand P to warpgroup 1, O_l += P @ V_l with P from
         # registers (wgmma RS: no wait for its own rows of p_sh; 5 % faster than reading them back)
         T.barrier_wait(full, phase)
@@ -168,6 +194,10 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.wait_wgmma(0)
+        if last_stage:
+            if i == nb - 1:
+                if nxt != 0:                          # Q is read: the next item's Q goes in under this one's tail
+                    load_q(Q, b1, s1, h1, q_l, q_r, bar_q)
         T.copy(m, m_prev)
         T.call_extern("handle", f"v4_row_reduce<{BI}, true>", acc_s.data, m.data)
         for h in T.Parallel(HB):
@@ -187,18 +217,22 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         # this warpgroup's P.V goes into the tensor queue before it hands P to warpgroup 1, so its wait does not
         # include warpgroup 1's half (with the lazy rescale: 2.2 % less time, 6 of 6 interleaved pairs)
         T.wgmma_gemm(p_loc, kv_l, acc_o_l, policy=T.GemmWarpPolicy.FullRow)
-        T.barrier_wait(p_empty, (i & 1) ^ 1)          # warpgroup 1 is done with block i-1
+        T.barrier_wait(p_empty, (hand & 1) ^ 1)       # warpgroup 1 is done with the previous hand-off
         T.copy(p_loc, p_sh)
         T.copy(alpha, alpha_sh)
         T.fence_proxy_async()                         # p_sh is read by wgmma (async proxy)
         T.barrier_arrive(p_full)
         T.wait_wgmma(0)
-        T.barrier_arrive(empty)
+        if last_stage:
+            if i < nb - 1:                            # an item's last stage stays taken: its O leaves through it
+                T.barrier_arrive(empty)
+        else:
+            T.barrier_arrive(empty)
 
     @T.macro
-    def pv_r(i, kv_r, empty, acc_o_r, p_sh, alpha_sh, alpha_r, p_full, p_empty):
+    def pv_r(i, hand, last_stage, kv_r, empty, acc_o_r, p_sh, alpha_sh, alpha_r, p_full, p_empty):
         # warpgroup 1, block i: O_r = O_r * alpha + P @ V_r
-        T.barrier_wait(p_full, i & 1)
+        T.barrier_wait(p_full, hand & 1)
         for h in T.Parallel(HB):
             alpha_r[h] = alpha_sh[h]
         rescale = T.alloc_var(T.int32)
@@ -207,7 +241,11 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             for h, d in T.Parallel(HB, D2):
                 acc_o_r[h, d] *= alpha_r[h]
         T.gemm(p_sh, kv_r, acc_o_r, policy=T.GemmWarpPolicy.FullRow)
-        T.barrier_arrive(empty)
+        if last_stage:
+            if i < nb - 1:
+                T.barrier_arrive(empty)
+        else:
+            T.barrier_arrive(empty)
         T.barrier_arrive(p_empty)
 
     @T.macro
@@ -225,6 +263,16 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         T.fence_proxy_async()
         T.barrier_arrive(full)
 
+    @T.macro
+    def store_o(acc_o, o_sh, O, b, s, h0, c0, bar_id, empty):
+        # an item's O leaves through its last stage (free once this warpgroup's P.V is done) by TMA store;
+        # the stage is released once the store has read it (written from the registers, O took 14 % longer)
+        T.copy(acc_o, o_sh)
+        T.fence_proxy_async()
+        T.sync_threads(bar_id, 128)
+        T.copy(o_sh, O[b, s, h0:h0 + HB, c0:c0 + D2])
+        T.barrier_arrive(empty)
+
     @T.prim_func
     def sparse_attn_fwd(
         Q: T.Tensor([B, S, heads, dim], bf16),
@@ -234,9 +282,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
         O: T.Tensor([B, S, heads, dim], bf16),
         Lse: T.Tensor([B, S, heads], f32),
     ):
-        with T.Kernel(S * rep, B, threads=384, prelude=RESCALE_VOTE + FAST_EX2 + ROW_REDUCE) as (bx, b):
-            s = bx // rep                      # the `rep` head blocks of a query run side by side: L2 reuse
-            h0 = (bx % rep) * HB
+        with T.Kernel(num_ctas, threads=384, prelude=RESCALE_VOTE + FAST_EX2 + ROW_REDUCE) as cta:
             q_l = T.alloc_shared([HB, D2], bf16)
             q_r = T.alloc_shared([HB, D2], bf16)
             kv0_l = T.alloc_shared([BI, D2], bf16)
@@ -258,6 +304,8 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             alpha_r = T.alloc_fragment([HB], f32)         # warpgroup 1's copy of alpha_sh
             l = T.alloc_fragment([HB], f32)
             l_blk = T.alloc_fragment([HB], f32)
+            crd = T.alloc_local([3], T.int32)             # this item's (b, s, h0)
+            crd1 = T.alloc_local([3], T.int32)            # the next one's
 
             bar_q = T.alloc_barrier(arrive_count=128)
             full0 = T.alloc_barrier(arrive_count=128)
@@ -268,71 +316,73 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float):
             p_empty = T.alloc_barrier(arrive_count=128)
 
             tx = T.get_thread_binding()
+            n_mine = (B * S * rep - cta + num_ctas - 1) // num_ctas     # items cta, cta + num_ctas, ...
+            # Barrier phases count uses: stage k's (it * n_pairs + k)-th, the P buffer's (it * n_hand + i)-th.
 
             # setmaxnreg only moves registers inside the CTA's launch allocation (168 x 384): the three
             # warpgroups' targets must sum to at most 504 a thread, or an increase waits forever.
             if tx >= 256:                                     # producer
                 T.set_max_nreg(64, 0)
-                # Q by TMA (64-column boxes from the producer's leader), block 0's rows by cp.async at the same
-                # time: the first score GEMM waits for the slower of the two, not their sum (Q copied by the
-                # producer's threads in one batch with block 0 took 1.5-4 % longer, Q first and then block 0 3-7 %)
-                for c in T.unroll(D2 // 64):
-                    T.tma_copy(Q[b, s, h0:h0 + HB, c * 64:c * 64 + 64], q_l[:, c * 64:c * 64 + 64], barrier=bar_q,
-                               leader_scope_threads=128)
-                    T.tma_copy(Q[b, s, h0:h0 + HB, D2 + c * 64:D2 + c * 64 + 64], q_r[:, c * 64:c * 64 + 64], barrier=bar_q,
-                               leader_scope_threads=128)
-                T.barrier_arrive(bar_q)
-                for j in T.Parallel(BI):
-                    mask0[j] = T.if_then_else(valid(Idx[b, s, j], N), 0, -T.infinity(f32))
-                for j, d in T.Parallel(BI, D2, annotations={"parallel_prefer_async": True}):
-                    kv0_l[j, d] = row_or_zero(KV, Idx[b, s, j], N, b, d)
-                    kv0_r[j, d] = row_or_zero(KV, Idx[b, s, j], N, b, D2 + d)
-                T.fence_proxy_async()
-                T.barrier_arrive(full0)
-                gather(KV, Idx, N, b, s, 1, kv1_l, kv1_r, mask1, full1, empty1, 0)
-                for k in T.serial(n_pairs - 1):
-                    gather(KV, Idx, N, b, s, 2 * k + 2, kv0_l, kv0_r, mask0, full0, empty0, (k + 1) & 1)
-                    gather(KV, Idx, N, b, s, 2 * k + 3, kv1_l, kv1_r, mask1, full1, empty1, (k + 1) & 1)
+                if n_mine > 0:                                # the first item's Q (later ones: warpgroup 0)
+                    coords(cta, crd)
+                    load_q(Q, crd[0], crd[1], crd[2], q_l, q_r, bar_q)
+                for it in T.serial(n_mine):
+                    coords(cta + it * num_ctas, crd)
+                    b, s = crd[0], crd[1]
+                    for k in T.serial(n_pairs):
+                        ph = (it * n_pairs + k) & 1
+                        gather(KV, Idx, N, b, s, 2 * k, kv0_l, kv0_r, mask0, full0, empty0, ph)
+                        gather(KV, Idx, N, b, s, 2 * k + 1, kv1_l, kv1_r, mask1, full1, empty1, ph)
             elif tx < 128:
                 T.set_max_nreg(240, 1)
-                T.fill(m, neg_big)
-                T.fill(l, 0)
-                T.fill(acc_o_l, 0)
-                T.barrier_wait(bar_q, 0)
-                for k in T.serial(n_pairs):
-                    scores_and_pv_l(N, 2 * k, q_l, q_r, kv0_l, kv0_r, mask0, full0, empty0, k & 1,
-                                    acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_loc)
-                    scores_and_pv_l(N, 2 * k + 1, q_l, q_r, kv1_l, kv1_r, mask1, full1, empty1, k & 1,
-                                    acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_loc)
-                # fold in the sink: M = max(m, sink) keeps rows with no valid slot finite
-                for h in T.Parallel(HB):
-                    m_prev[h] = T.max(m[h] * scale2, Sink[h0 + h] * LOG2E)        # final max, base 2
-                    alpha[h] = T.exp2(m[h] * scale2 - m_prev[h])
-                    l[h] = l[h] * alpha[h] + T.exp2(Sink[h0 + h] * LOG2E - m_prev[h])
-                    alpha[h] = T.if_then_else(l[h] > 0, alpha[h] / l[h], 0)      # l == 0 only if no slot and sink = -inf
-                    Lse[b, s, h0 + h] = T.if_then_else(l[h] > 0, m_prev[h] + T.log2(l[h]), m_prev[h])
-                for h, d in T.Parallel(HB, D2):
-                    acc_o_l[h, d] *= alpha[h]
-                T.barrier_wait(p_empty, ((2 * n_pairs) & 1) ^ 1)
-                T.copy(alpha, alpha_sh)
-                T.barrier_arrive(p_full)
-                T.copy(acc_o_l, q_l)                          # q_l is free: all score GEMMs are done
-                T.fence_proxy_async()
-                T.sync_threads(WG0_BAR, 128)
-                T.copy(q_l, O[b, s, h0:h0 + HB, 0:D2])
+                for it in T.serial(n_mine):
+                    coords(cta + it * num_ctas, crd)
+                    b, s, h0 = crd[0], crd[1], crd[2]
+                    nxt = T.if_then_else(it + 1 < n_mine, 1, 0)
+                    coords(cta + (it + 1) * num_ctas, crd1)
+                    b1, s1, h1 = crd1[0], crd1[1], crd1[2]
+                    T.fill(m, neg_big)
+                    T.fill(l, 0)
+                    T.fill(acc_o_l, 0)
+                    T.barrier_wait(bar_q, it & 1)
+                    for k in T.serial(n_pairs):
+                        ph = (it * n_pairs + k) & 1
+                        hand = it * n_hand + 2 * k
+                        scores_and_pv_l(N, 2 * k, hand, False, Q, nxt, b1, s1, h1, q_l, q_r, kv0_l, kv0_r, mask0, full0,
+                                        empty0, ph, acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full,
+                                        p_empty, p_loc, bar_q)
+                        scores_and_pv_l(N, 2 * k + 1, hand + 1, True, Q, nxt, b1, s1, h1, q_l, q_r, kv1_l, kv1_r, mask1,
+                                        full1, empty1, ph, acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh,
+                                        p_full, p_empty, p_loc, bar_q)
+                    # fold in the sink: M = max(m, sink) keeps rows with no valid slot finite
+                    for h in T.Parallel(HB):
+                        m_prev[h] = T.max(m[h] * scale2, Sink[h0 + h] * LOG2E)        # final max, base 2
+                        alpha[h] = T.exp2(m[h] * scale2 - m_prev[h])
+                        l[h] = l[h] * alpha[h] + T.exp2(Sink[h0 + h] * LOG2E - m_prev[h])
+                        alpha[h] = T.if_then_else(l[h] > 0, alpha[h] / l[h], 0)      # l == 0 only if no slot and sink = -inf
+                        Lse[b, s, h0 + h] = T.if_then_else(l[h] > 0, m_prev[h] + T.log2(l[h]), m_prev[h])
+                    for h, d in T.Parallel(HB, D2):
+                        acc_o_l[h, d] *= alpha[h]
+                    T.barrier_wait(p_empty, ((it * n_hand + nb) & 1) ^ 1)
+                    T.copy(alpha, alpha_sh)
+                    T.barrier_arrive(p_full)
+                    store_o(acc_o_l, kv1_l, O, b, s, h0, 0, WG0_BAR, empty1)
             else:
                 T.set_max_nreg(200, 1)
-                T.fill(acc_o_r, 0)
-                for k in T.serial(n_pairs):
-                    pv_r(2 * k, kv0_r, empty0, acc_o_r, p_sh, alpha_sh, alpha_r, p_full, p_empty)
-                    pv_r(2 * k + 1, kv1_r, empty1, acc_o_r, p_sh, alpha_sh, alpha_r, p_full, p_empty)
-                T.barrier_wait(p_full, (2 * n_pairs) & 1)
-                for h, d in T.Parallel(HB, D2):
-                    acc_o_r[h, d] *= alpha_sh[h]
-                T.copy(acc_o_r, q_r)                          # warpgroup 0 finished its last score GEMM
-                T.fence_proxy_async()
-                T.sync_threads(WG1_BAR, 128)
-                T.copy(q_r, O[b, s, h0:h0 + HB, D2:dim])
+                for it in T.serial(n_mine):
+                    coords(cta + it * num_ctas, crd)
+                    T.fill(acc_o_r, 0)
+                    for k in T.serial(n_pairs):
+                        hand = it * n_hand + 2 * k
+                        pv_r(2 * k, hand, False, kv0_r, empty0, acc_o_r, p_sh, alpha_sh, alpha_r, p_full, p_empty)
+                        pv_r(2 * k + 1, hand + 1, True, kv1_r, empty1, acc_o_r, p_sh, alpha_sh, alpha_r, p_full, p_empty)
+                    T.barrier_wait(p_full, (it * n_hand + nb) & 1)
+                    for h in T.Parallel(HB):
+                        alpha_r[h] = alpha_sh[h]
+                    T.barrier_arrive(p_empty)                 # the next item's hand-offs may begin
+                    for h, d in T.Parallel(HB, D2):
+                        acc_o_r[h, d] *= alpha_r[h]
+                    store_o(acc_o_r, kv1_r, O, crd[0], crd[1], crd[2], D2, WG1_BAR, empty1)
     return sparse_attn_fwd
 
 
@@ -588,15 +638,23 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 # --------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _compile(kind: str, heads: int, dim: int, topk: int, sm_scale: float, cfg: tuple):
+def _compile(kind: str, heads: int, dim: int, topk: int, sm_scale: float, cfg: tuple, num_ctas: int = 0):
     from . import tilelang_compile
-    program, out_idx = {"fwd": (fwd_program, [4, 5]), "bwd": (bwd_program, [9])}[kind]
-    return tilelang_compile(program(heads, dim, topk, sm_scale), out_idx, dict(cfg))
+    if kind == "fwd":
+        return tilelang_compile(fwd_program(heads, dim, topk, sm_scale, num_ctas), [4, 5], dict(cfg))
+    return tilelang_compile(bwd_program(heads, dim, topk, sm_scale), [9], dict(cfg))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    """The persistent forward's grid on a GPU: one CTA an SM."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fwd_kernel(heads: int, dim: int, topk: int, sm_scale: float, pass_configs: dict | None = None):
     cfg = FWD_PASS_CONFIGS if pass_configs is None else pass_configs
-    return _compile("fwd", heads, dim, topk, float(sm_scale), _frozen(cfg))
+    sms = _sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else H200_SMS
+    return _compile("fwd", heads, dim, topk, float(sm_scale), _frozen(cfg), sms)
 
 
 def bwd_kernel(heads: int, dim: int, topk: int, sm_scale: float, pass_configs: dict | None = None):

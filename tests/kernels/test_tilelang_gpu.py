@@ -45,6 +45,7 @@ CASES = [  # B, S, N, H, D, K, pad_frac, sink, empty_rows
     (1, 32, 200, 128, 512, 130, 0.3, "mixed", 1),     # top-k not a multiple of the block
     (2, 24, 100, 16, 128, 40, 0.3, "mixed", 2),       # few heads (padded to 64), D = 128
     (1, 37, 300, 64, 512, 256, 0.2, "pos", 1),        # odd S
+    (2, 200, 600, 128, 512, 384, 0.2, "mixed", 1),    # 800 items: the persistent forward's CTAs take several each
 ]
 
 
