@@ -638,7 +638,7 @@ def bwd_program(heads: int, dim: int, topk: int, sm_scale: float):
 # --------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _compile(kind: str, heads: int, dim: int, topk: int, sm_scale: float, cfg: tuple, num_ctas: int = 0):
+def _compile(kind: str, heads: int, dim: int, topk: int, sm_scale: float, cfg: tuple, num_ctas: int = H200_SMS):
     from . import tilelang_compile
     if kind == "fwd":
         return tilelang_compile(fwd_program(heads, dim, topk, sm_scale, num_ctas), [4, 5], dict(cfg))
