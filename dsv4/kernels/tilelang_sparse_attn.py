@@ -184,6 +184,15 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
         T.barrier_arrive(bar_q)
 
     @T.macro
+    def release(i, last_stage, empty):
+        # a consumer is done with block i's stage; an item's last stage stays taken: its O leaves through it
+        if last_stage:
+            if i < nb - 1:
+                T.barrier_arrive(empty)
+        else:
+            T.barrier_arrive(empty)
+
+    @T.macro
     def scores_and_pv_l(N, i, hand, last_stage, Q, nxt, b1, s1, h1, q_l, q_r, kv_l, kv_r, mask, full, empty, phase,
                         acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_loc, bar_q):
         # warpgroup 0, block i: scores, online softmax, hand P to warpgroup 1, O_l += P @ V_l with P from
@@ -223,11 +232,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
         T.fence_proxy_async()                         # p_sh is read by wgmma (async proxy)
         T.barrier_arrive(p_full)
         T.wait_wgmma(0)
-        if last_stage:
-            if i < nb - 1:                            # an item's last stage stays taken: its O leaves through it
-                T.barrier_arrive(empty)
-        else:
-            T.barrier_arrive(empty)
+        release(i, last_stage, empty)
 
     @T.macro
     def pv_r(i, hand, last_stage, kv_r, empty, acc_o_r, p_sh, alpha_sh, alpha_r, p_full, p_empty):
@@ -241,11 +246,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
             for h, d in T.Parallel(HB, D2):
                 acc_o_r[h, d] *= alpha_r[h]
         T.gemm(p_sh, kv_r, acc_o_r, policy=T.GemmWarpPolicy.FullRow)
-        if last_stage:
-            if i < nb - 1:
-                T.barrier_arrive(empty)
-        else:
-            T.barrier_arrive(empty)
+        release(i, last_stage, empty)
         T.barrier_arrive(p_empty)
 
     @T.macro

@@ -32,7 +32,6 @@ def test_rows_carry_the_spread_of_their_runs():
     assert lines[2].split()[3:6] == ["-", "-", "-"] and lines[2].endswith("out of memory")
 
 
-
 def test_goals_are_judged_per_pass():
     flash = SHAPE_SETS["flash"][0]
     assert flash.row_note("fwd", 549.9) == "upstream V4 illustration: 320; goal (H200) 550: NOT met"
@@ -51,6 +50,7 @@ def test_speedup_is_over_the_torch_row_of_the_same_shape_and_pass():
     lines = table(rows).splitlines()
     assert "vs torch" in lines[0]
     assert lines[1].split()[6] == "20.0x" and lines[2].split()[6] == "-" and lines[5].split()[6] == "-"
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_refuses_without_a_gpu():
