@@ -4,8 +4,10 @@ FLOPs are counted explicitly, per query token and head, over all K index slots (
   sparse attention forward : 4 * K * D        (scores q.k: 2KD, output p.v: 2KD)
   sparse attention backward: 10 * K * D       (scores recomputed 2KD, dO.v 2KD, dq 2KD, dkv 2 x 2KD)
   indexer logits           : 2 * N * Di       (q.k for every compressed entry, causal half included)
-TFLOP/s = FLOPs / median time of `--iters` timed runs after warm-up (CUDA events); the fastest and
-slowest of those runs are printed beside it, so noise between runs of the same kernel is visible.
+TFLOP/s = FLOPs / median time of `--iters` timed runs after warm-up (CUDA events between runs queued back to back,
+so host launch time is not counted); the fastest and slowest of those runs are printed beside it, so noise between
+runs of the same kernel is visible. Each row also gives the SM clock just after its runs: under the H200's ~700 W
+power cap the clock, and with it a kernel's time, moves by several per cent from run to run.
 Each TileLang row also gives its speedup over the torch fallback timed in the same run (median over median),
 and, at the shapes issue 5 sets goals for (one H200), whether the median meets the goal.
 """
@@ -71,26 +73,42 @@ class Row:
     ms_min: float | None = None
     ms_max: float | None = None
     vs_torch: float | None = None      # torch fallback's median / this row's, same shape and pass, same run
+    clock_mhz: float | None = None     # SM clock just after the timed runs (see _timed_runs)
 
     @classmethod
-    def timed(cls, shape: str, op: str, impl: str, times: list[float], flops: int, note: str = "") -> "Row":
+    def timed(cls, shape: str, op: str, impl: str, runs: tuple[list[float], float | None], flops: int,
+              note: str = "") -> "Row":
+        times, clock_mhz = runs
         ms = statistics.median_high(times)      # a time that was measured, never an average of two
-        return cls(shape, op, impl, ms, flops / ms / 1e9, note, min(times), max(times))
+        return cls(shape, op, impl, ms, flops / ms / 1e9, note, min(times), max(times), clock_mhz=clock_mhz)
 
 
-def _times_ms(fn, warmup: int, iters: int) -> list[float]:
+HEAD_START_CYCLES = 20_000_000     # ~10 ms of GPU spin at H200 clocks: time for the host to queue every timed run
+CLOCK_PROBE_CYCLES = 500_000       # ~0.25 ms: long enough for the events' resolution, too short for the clock to rise
+
+
+def _timed_runs(fn, warmup: int, iters: int) -> tuple[list[float], float]:
+    """(GPU ms of each of `iters` runs of `fn`, run back to back after `warmup` runs; SM clock in MHz after them).
+
+    The runs are queued behind a GPU spin, with an event between each two, so a run's time is its kernels' alone: with
+    the GPU idle at each start, the host's ~20 us of Python and launch a call would count as kernel time (3-4 % of the
+    V4-Flash forward). The clock comes from a spin of a known number of cycles timed right after the runs: the
+    H200 caps its power at ~700 W by lowering the clock (1.5-1.98 GHz seen), which moves a kernel's time by percents."""
     import torch
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 2)]
+    torch.cuda._sleep(HEAD_START_CYCLES)
+    events[0].record()
+    for i in range(iters):
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+        events[i + 1].record()
+    torch.cuda._sleep(CLOCK_PROBE_CYCLES)
+    events[-1].record()
+    torch.cuda.synchronize()
+    times = [a.elapsed_time(b) for a, b in zip(events[:-1], events[1:-1])]
+    return times, CLOCK_PROBE_CYCLES / (events[-2].elapsed_time(events[-1]) * 1e3)
 
 
 def _inputs(sh: AttnShape):
@@ -120,7 +138,7 @@ def bench_attention(sh: AttnShape, ops: tuple[str, ...], torch_fallback: bool, w
     runs = {"fwd": lambda: tl._fwd(qp, kvb, sinkp, idxp, scale),
             "bwd": lambda: tl._bwd(qp, kvb, sinkp, idxp, o, lse2, dop, scale)}
     for op in ops:
-        row = Row.timed(sh.name, op, "tilelang", _times_ms(runs[op], warmup, iters), flops[op])
+        row = Row.timed(sh.name, op, "tilelang", _timed_runs(runs[op], warmup, iters), flops[op])
         row.note = sh.row_note(op, row.tflops)
         rows.append(row)
     if torch_fallback:
@@ -128,14 +146,14 @@ def bench_attention(sh: AttnShape, ops: tuple[str, ...], torch_fallback: bool, w
             try:
                 if op == "fwd":
                     with torch.no_grad():
-                        times = _times_ms(lambda: reference.sparse_attn_gather(q, kv, sink, idx, scale), 1, 3)
+                        timing = _timed_runs(lambda: reference.sparse_attn_gather(q, kv, sink, idx, scale), 1, 3)
                 else:
                     leaves = [t.detach().clone().requires_grad_(True) for t in (q, kv, sink)]
                     out = reference.sparse_attn_gather(*leaves, idx, scale)
                     do = torch.randn_like(out)
-                    times = _times_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), 1, 3)
+                    timing = _timed_runs(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), 1, 3)
                     del out
-                rows.append(Row.timed(sh.name, op, "torch", times, flops[op]))
+                rows.append(Row.timed(sh.name, op, "torch", timing, flops[op]))
             except torch.OutOfMemoryError:
                 rows.append(Row(sh.name, op, "torch", None, None, "out of memory"))
             torch.cuda.empty_cache()
@@ -153,8 +171,9 @@ def bench_indexer(warmup: int, iters: int) -> list[Row]:
     w = torch.randn(B, S, Hi, device="cuda")
     flops = 2 * B * S * N * Hi * Di
     name = f"indexer B{B} S{S} N{N} Hi{Hi} Di{Di}"
-    return [Row.timed(name, "fwd", "tilelang", _times_ms(lambda: indexer_logits(q, k, w, ratio), warmup, iters), flops),
-            Row.timed(name, "fwd", "torch", _times_ms(lambda: reference.indexer_logits_ref(q, k, w, ratio), 1, 3), flops)]
+    ours = _timed_runs(lambda: indexer_logits(q, k, w, ratio), warmup, iters)
+    ref = _timed_runs(lambda: reference.indexer_logits_ref(q, k, w, ratio), 1, 3)
+    return [Row.timed(name, "fwd", "tilelang", ours, flops), Row.timed(name, "fwd", "torch", ref, flops)]
 
 
 @click.group()
@@ -210,12 +229,15 @@ def with_speedups(rows: list[Row]) -> list[Row]:
 
 
 def table(rows: list[Row]) -> str:
-    """ms is the median; min-max the fastest and slowest timed run; vs torch the speedup over the fallback."""
-    lines = [f"{'shape':<40} {'op':<4} {'impl':<9} {'ms':>9} {'min-max':>17} {'TFLOP/s':>8} {'vs torch':>8}  note"]
+    """ms is the median; min-max the fastest and slowest timed run; vs torch the speedup over the fallback; MHz the SM
+    clock just after the runs."""
+    lines = [f"{'shape':<40} {'op':<4} {'impl':<9} {'ms':>9} {'min-max':>17} {'TFLOP/s':>8} {'vs torch':>8} "
+             f"{'MHz':>5}  note"]
     for r in rows:
         ms = f"{r.ms:.3f}" if r.ms is not None else "-"
         spread = f"{r.ms_min:.3f}-{r.ms_max:.3f}" if r.ms_min is not None else "-"
         tf = f"{r.tflops:.1f}" if r.tflops is not None else "-"
         vs = f"{r.vs_torch:.1f}x" if r.vs_torch is not None else "-"
-        lines.append(f"{r.shape:<40} {r.op:<4} {r.impl:<9} {ms:>9} {spread:>17} {tf:>8} {vs:>8}  {r.note}")
+        mhz = f"{r.clock_mhz:.0f}" if r.clock_mhz is not None else "-"
+        lines.append(f"{r.shape:<40} {r.op:<4} {r.impl:<9} {ms:>9} {spread:>17} {tf:>8} {vs:>8} {mhz:>5}  {r.note}")
     return "\n".join(lines)

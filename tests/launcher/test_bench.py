@@ -1,5 +1,5 @@
 """`v4 bench kernels` off the GPU: what it refuses, that each upstream figure and goal stays with its own pass,
-the median / min-max of each row, and each TileLang row's speedup over the torch row of its shape and pass."""
+the median / min-max and clock of each row, and each TileLang row's speedup over the torch row of its shape and pass."""
 import math
 import subprocess
 import sys
@@ -22,14 +22,16 @@ def test_upstream_figures_belong_to_their_pass():
 
 
 def test_rows_carry_the_spread_of_their_runs():
-    row = Row.timed("v4-flash", "fwd", "tilelang", [0.90, 0.80, 0.85, 0.83], flops=4 * 10**9, note="x")
+    row = Row.timed("v4-flash", "fwd", "tilelang", ([0.90, 0.80, 0.85, 0.83], 1755.2), flops=4 * 10**9, note="x")
     assert (row.ms, row.ms_min, row.ms_max) == (0.85, 0.80, 0.90)     # the upper median of an even count
     assert math.isfinite(row.tflops) and row.tflops == pytest.approx(4 / 0.85)
+    assert row.clock_mhz == 1755.2
     oom = Row("v4-flash", "bwd", "torch", None, None, "out of memory")
     lines = table([row, oom]).splitlines()
-    assert "min-max" in lines[0]
+    assert "min-max" in lines[0] and lines[0].split()[8] == "MHz"
     assert "0.850" in lines[1] and "0.800-0.900" in lines[1] and "4.7" in lines[1]
-    assert lines[2].split()[3:6] == ["-", "-", "-"] and lines[2].endswith("out of memory")
+    assert lines[1].split()[7] == "1755"
+    assert lines[2].split()[3:8] == ["-", "-", "-", "-", "-"] and lines[2].endswith("out of memory")
 
 
 def test_goals_are_judged_per_pass():
@@ -57,3 +59,24 @@ def test_refuses_without_a_gpu():
     p = subprocess.run([sys.executable, "-m", "launcher", "bench", "kernels"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "needs a CUDA GPU" in p.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_timed_runs_time_the_gpu_and_read_its_clock():
+    """A spin of a known cycle count takes what the clock says it should, and the host's time between queued calls
+    is not counted (the bench's runs are queued back to back)."""
+    import time
+
+    from launcher.commands.bench import _timed_runs
+    cycles = 6_000_000                                  # ~3 ms at H200 clocks
+
+    def call():
+        time.sleep(0.0015)                              # 1.5 ms of host work a call: not GPU time
+        torch.cuda._sleep(cycles)
+    times, mhz = _timed_runs(call, warmup=1, iters=5)
+    assert all(math.isfinite(t) and t > 0 for t in times) and math.isfinite(mhz)
+    assert 300 <= mhz <= 3000, f"implausible SM clock {mhz:.0f} MHz"
+    expected_ms = cycles / (mhz * 1e3)
+    # a run is its spin (the clock may move a little between runs), not spin + the 1.5 ms of host time
+    assert max(times) < expected_ms * 1.25 + 0.2, (times, expected_ms)
