@@ -1,5 +1,6 @@
-"""`v4 bench kernels` off the GPU: what it refuses, that each upstream figure and goal stays with its own pass,
-the median / min-max and clock of each row, and each TileLang row's speedup over the torch row of its shape and pass."""
+"""`v4 bench kernels`. Off the GPU: what it refuses, that each upstream figure and goal stays with its own pass, the
+median / min-max and clock of each row, and each TileLang row's speedup over the torch row of its shape and pass.
+On a GPU: that a timed run counts the GPU's time only, and the clock it reads."""
 import math
 import subprocess
 import sys
