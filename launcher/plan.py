@@ -5,8 +5,10 @@ The plan is pure data rendered from templates; `v4 run --dry-run` prints it and 
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import shlex
+import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -61,8 +63,27 @@ GATES = {
     "step_time": "steady-state step time under HW_STEP_TIME_BUDGET_S",
 }
 
-# Ray uploads the checkout as each job's working_dir; these never travel.
+# Ray uploads the checkout as each job's working_dir; these never travel (nor, by working_dir_excludes, what git ignores).
 WORKING_DIR_EXCLUDES = [".git", ".venv", ".dev", "outputs", "**/__pycache__", "*.egg-info", ".pytest_cache"]
+
+
+def working_dir_excludes(root: Path) -> list[str]:
+    """WORKING_DIR_EXCLUDES plus every path git ignores under `root`, anchored ("/bundles/"). Ray reads .gitignore
+    files itself, but not .git/info/exclude or the user's core.excludesFile, so what a developer keeps out of git
+    only there (local bundles, data) would travel with every job. Outside a git checkout, or without git: the list."""
+    try:
+        r = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+                            "--directory"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return list(WORKING_DIR_EXCLUDES)
+    if r.returncode != 0:
+        return list(WORKING_DIR_EXCLUDES)
+    names = [pat.removeprefix("**/") for pat in WORKING_DIR_EXCLUDES]
+
+    def covered(path: str) -> bool:      # already skipped by a pattern of the list (they match at any depth)
+        return any(fnmatch.fnmatch(part, n) for part in path.strip("/").split("/") for n in names)
+
+    return WORKING_DIR_EXCLUDES + sorted("/" + path for path in r.stdout.split("\0") if path and not covered(path))
 
 
 @dataclass
@@ -166,7 +187,7 @@ def job_step(cfg: Config, name: str, run_id: str, run_dir: str) -> Step:
     d = step_def(cfg, name)
     entrypoint = f"{shlex.quote(python_on_nodes(cfg))} -m {d.module} --run-dir {shlex.quote(run_dir)}"
     runtime_env = {"working_dir": str(cfg.selection.root),
-                   "excludes": WORKING_DIR_EXCLUDES, "env_vars": job_env(cfg, run_dir)}
+                   "excludes": working_dir_excludes(cfg.selection.root), "env_vars": job_env(cfg, run_dir)}
     job = JobSpec(
         submission_id=f"{run_id}-{name}",
         entrypoint=entrypoint,

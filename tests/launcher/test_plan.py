@@ -1,15 +1,18 @@
-"""`v4 run --dry-run`: the whole plan, every node and step, as text or JSON, touching nothing."""
+"""`v4 run --dry-run`: the whole plan, every node and step, as text or JSON, touching nothing; what a job's
+working_dir leaves behind."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from launcher.cli import main
+from launcher.plan import WORKING_DIR_EXCLUDES, working_dir_excludes
 
 ROOT = Path(__file__).resolve().parents[2]
 H20_NODES = ["10.0.8.17", *(f"10.0.8.{i}" for i in range(10, 17))]
@@ -46,6 +49,7 @@ def test_json_plan_parses_with_env_and_entrypoints(capsys):
     assert len(steps["cluster-up"]["nodes"]) == 8
     train = steps["train"]["job"]
     assert train["entrypoint"].endswith(f"--run-dir {plan['run_dir']}")
+    assert train["runtime_env"]["excludes"] == working_dir_excludes(ROOT)
     env = train["runtime_env"]["env_vars"]
     assert env["MASTER_ADDR"] == "10.0.8.17" and env["NCCL_NVLS_ENABLE"] == "0"
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
@@ -67,3 +71,33 @@ def test_dry_run_with_a_config_error_exits_2(capsys):
         main(["run", "--preset", "long_context", "--cluster", "h20_8node", "--dry-run"])
     assert e.value.code == 2
     assert "TP*PP*CP = 256 does not divide the world size 64" in capsys.readouterr().err
+
+
+def test_working_dir_upload_leaves_out_what_git_ignores(tmp_path):
+    """Ray reads .gitignore files itself but not .git/info/exclude: the plan's excludes name those paths too.
+    Checked with Ray's own packaging, the zip a job's working_dir becomes."""
+    from ray._private.runtime_env.packaging import create_package
+
+    root = tmp_path / "checkout"
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / "code.py").write_text("x = 1\n")
+    (root / ".gitignore").write_text("scratch/\n")
+    for d, f in (("scratch", "a.txt"), ("bundles", "big.tar"), ("launcher/__pycache__", "m.pyc")):
+        (root / d).mkdir(parents=True)
+        (root / d / f).write_text("data")
+    (root / ".git" / "info" / "exclude").write_text("bundles/\n")
+
+    def packaged(excludes, name):
+        create_package(str(root), tmp_path / name, include_gitignore=True, excludes=excludes)
+        return set(zipfile.ZipFile(tmp_path / name).namelist())
+
+    excludes = working_dir_excludes(root)
+    assert excludes == WORKING_DIR_EXCLUDES + ["/bundles/", "/scratch/"]     # __pycache__ is in the list already
+    assert "bundles/big.tar" in packaged(WORKING_DIR_EXCLUDES, "before.zip")     # what Ray alone would upload
+    after = packaged(excludes, "after.zip")
+    assert {"code.py", ".gitignore"} <= after
+    assert not [n for n in after if n.startswith(("bundles", "scratch", ".git/", "launcher/__pycache__"))]
+
+
+def test_working_dir_excludes_outside_git(tmp_path):
+    assert working_dir_excludes(tmp_path) == WORKING_DIR_EXCLUDES
