@@ -12,6 +12,9 @@ Conventions shared by both implementations (see docs/kernels.md):
 """
 from __future__ import annotations
 
+import logging
+import sys
+
 IMPLS = ("torch", "tilelang")
 
 
@@ -78,6 +81,7 @@ def tilelang_compile(program, out_idx, pass_configs: dict | None = None):
     target land in the same TileLang cache entry (TILELANG_CACHE_DIR) and are reused as they are."""
     import tilelang
     import torch
+    _tilelang_logs_to_stderr()
     target = "auto"
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() == (9, 0):
         target = HOPPER_TARGET
@@ -93,3 +97,26 @@ def tilelang_compile(program, out_idx, pass_configs: dict | None = None):
 
 
 HOPPER_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+
+class _Stderr(logging.Handler):
+    """Writes each record to the sys.stderr of the moment (pytest's capture and redirections included)."""
+
+    def emit(self, record):
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
+
+
+def _tilelang_logs_to_stderr() -> None:
+    """TileLang logs each compile ("begins to compile kernel ...") through tqdm.write, which prints on stdout: a
+    command's `--json` output then does not parse (`v4 bench kernels --json` did not, on a cache miss). Its
+    handlers are swapped for ones that write to stderr, same format."""
+    log = logging.getLogger("tilelang")
+    for h in list(log.handlers):
+        if not isinstance(h, _Stderr):
+            log.removeHandler(h)
+            out = _Stderr(h.level)
+            out.setFormatter(h.formatter)
+            log.addHandler(out)

@@ -1,11 +1,15 @@
 """CPU/CI: every TileLang kernel still lowers to CUDA for sm_90a (catches TileLang API breakage without a GPU)."""
 import importlib.util
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None,
                                 reason="tilelang is not installed (pip install 'tilelang>=0.1.11')")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _lower(program, pass_configs=None) -> str:
@@ -17,7 +21,6 @@ def _lower(program, pass_configs=None) -> str:
 
 
 def test_dispatch_does_not_import_tilelang():
-    import subprocess
     code = "import dsv4.kernels, sys; assert 'tilelang' not in sys.modules, 'imported tilelang'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -62,7 +65,6 @@ def _ptxas_report(source: str, tmp_path) -> str:
     """Compile lowered CUDA for sm_90a with TileLang's own nvcc and flags; return ptxas's resource report."""
     import re
     import shutil
-    import subprocess
     from tilelang.contrib import nvcc
     try:
         compiler = nvcc.get_nvcc_compiler()
@@ -104,3 +106,16 @@ def test_act_quant_lowers(block, ue8m0, dtype):
     from dsv4.kernels import tilelang_act_quant as aq
     src = _lower(aq.act_quant_program(512, block, ue8m0, dtype))
     assert "fp8_e4" in src
+
+
+def test_a_compile_prints_nothing_on_stdout(tmp_path):
+    """TileLang logs each compile to stdout (tqdm.write); through tilelang_compile the lines go to stderr, so a
+    command's --json output stays parseable. A fresh cache makes TileLang compile (and log) for real."""
+    code = ("from dsv4.kernels import tilelang_compile\n"
+            "from dsv4.kernels.tilelang_act_quant import act_quant_program\n"
+            "tilelang_compile(act_quant_program(128, 128, False, 'bfloat16'), [1, 2])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "TILELANG_CACHE_DIR": str(tmp_path)}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compile kernel" in done.stderr, done.stderr[-2000:]
+    assert done.stdout == "", done.stdout[-2000:]
