@@ -183,11 +183,11 @@ def required_inputs(cfg: Config) -> list:
     return out
 
 
-def job_step(cfg: Config, name: str, run_id: str, run_dir: str) -> Step:
+def job_step(cfg: Config, name: str, run_id: str, run_dir: str, excludes: list[str]) -> Step:
     d = step_def(cfg, name)
     entrypoint = f"{shlex.quote(python_on_nodes(cfg))} -m {d.module} --run-dir {shlex.quote(run_dir)}"
     runtime_env = {"working_dir": str(cfg.selection.root),
-                   "excludes": working_dir_excludes(cfg.selection.root), "env_vars": job_env(cfg, run_dir)}
+                   "excludes": excludes, "env_vars": job_env(cfg, run_dir)}
     job = JobSpec(
         submission_id=f"{run_id}-{name}",
         entrypoint=entrypoint,
@@ -215,6 +215,7 @@ def build(cfg: Config, run_id: str | None = None) -> Plan:
     run_id = run_id or new_run_id(cfg["PRESET_RUN_ID_PREFIX"])
     run_dir = f"{cfg['V4_OUT']}/{run_id}"
     steps = [preflight_step(cfg)]
+    excludes = working_dir_excludes(cfg.selection.root)      # one git call a plan, shared by its jobs
     if cfg["V4_EXECUTOR"] == "ray":
         steps.append(cluster_step(cfg))
     for name in cfg["PRESET_STEPS"]:
@@ -222,7 +223,7 @@ def build(cfg: Config, run_id: str | None = None) -> Plan:
             from launcher.errors import ConfigError
             raise ConfigError(f"{cfg.origin('PRESET_STEPS').where}: unknown pipeline step {name!r}",
                               fix=f"steps: {', '.join(PIPELINE)}")
-        steps.append(job_step(cfg, name, run_id, run_dir))
+        steps.append(job_step(cfg, name, run_id, run_dir, excludes))
     unknown = [g for g in cfg["PRESET_GATES"] if g not in GATES]
     if unknown:
         from launcher.errors import ConfigError
