@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import sys
 
-from jobs.common import RunContext, byte_progress, done, log, mark_done, sentinel_path
+from jobs.common import RunContext, byte_progress, done, fingerprint, log, mark_done, sentinel_path
 
 
 def main(argv=None) -> int:
     ctx = RunContext.from_argv(argv, __doc__)
     src, dst = ctx.paths.hf_dir, ctx.paths.bf16_dir
     src_done = sentinel_path(src)
-    inputs = {"src": str(src), "src_sentinel": src_done.read_text() if src_done.is_file() else None}
+    # a downloaded release has no sentinel of ours: its file names, sizes and mtimes stand for it
+    inputs = {"src": str(src), "src_sentinel": src_done.read_text() if src_done.is_file() else fingerprint(src)}
     if done(dst, inputs):
         log(f"BF16 checkpoint already complete at {dst}; skipped")
         return 0
