@@ -7,6 +7,12 @@ import click
 
 from launcher.cli_options import config_options, load_config
 from launcher.config import KEYS, load
+from launcher.errors import ConfigError
+
+
+def _json(obj) -> str:
+    # allow_nan=False: NaN/Infinity are not JSON; a value that holds one is a bug to surface, not to print
+    return json.dumps(obj, indent=2, allow_nan=False)
 
 
 @click.group("config")
@@ -23,7 +29,7 @@ def show(selection, explain, as_json, no_check):
     """Print the resolved configuration (secrets redacted)."""
     cfg = load(selection) if no_check else load_config(selection)
     if as_json:
-        click.echo(json.dumps(cfg.to_json(), indent=2))
+        click.echo(_json(cfg.to_json()))
         return
     rows = cfg.explain()
     click.echo(f"# cluster={cfg.selection.cluster} hw={cfg.selection.hw} preset={cfg.selection.preset or '-'}", err=True)
@@ -47,10 +53,16 @@ def show(selection, explain, as_json, no_check):
 @click.option("--json", "as_json", is_flag=True)
 def validate(selection, as_json):
     """Resolve and cross-check the configuration; exit 2 naming every disagreement."""
-    cfg = load_config(selection)
+    try:
+        cfg = load_config(selection)
+    except ConfigError as e:
+        if as_json:
+            # a script reading stdout gets a verdict either way; stderr and exit code 2 stay as without --json
+            click.echo(_json({"ok": False, "errors": getattr(e, "errors", None) or [e.message], "fix": e.fix}))
+        raise
     derived = {k: d.value for k, d in cfg.derived.items()}
     if as_json:
-        click.echo(json.dumps({"ok": True, "derived": derived, "warnings": cfg.warnings}, indent=2))
+        click.echo(_json({"ok": True, "derived": derived, "warnings": cfg.warnings}))
     else:
         click.echo(f"ok: cluster={cfg.selection.cluster} hw={cfg.selection.hw} preset={cfg.selection.preset or '-'}")
         for k, v in derived.items():
@@ -62,7 +74,7 @@ def validate(selection, as_json):
 def keys(as_json):
     """List every key the schema declares: type, default, usual layer, doc."""
     if as_json:
-        click.echo(json.dumps([k.__dict__ | {"secret": k.secret} for k in KEYS], indent=2))
+        click.echo(_json([k.__dict__ | {"secret": k.secret, "required": k.required} for k in KEYS]))
         return
     for k in KEYS:
         kind = k.type + (f"[{'|'.join(c or '\"\"' for c in k.choices)}]" if k.choices else "")

@@ -6,13 +6,54 @@ are reported together so one edit-validate cycle fixes them all.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 import re
 from dataclasses import dataclass
 
 from launcher.config.resolve import Config, Derived
-from launcher.config.schema import PORT_KEYS, SCHEMA
+from launcher.config.schema import ALWAYS_PORT_KEYS, PORT_KEYS, SCHEMA
 from launcher.errors import ConfigError
+
+
+class InvalidConfig(ConfigError):
+    """Failed cross-checks, one message each (`v4 config validate --json` lists them)."""
+
+    def __init__(self, errors: list[str], fix: str | None = None):
+        super().__init__("invalid configuration:\n  " + "\n  ".join(errors), fix=fix)
+        self.errors = list(errors)
+
+
+# Counts that are meaningless below 1 (a zero or negative value would divide by zero, train nothing or
+# split nothing), and counts and rates where 0 has a meaning ("all", "even split", "off") but < 0 has none.
+POSITIVE_KEYS = ("PRESET_TP", "PRESET_PP", "PRESET_CP", "PRESET_EP", "PRESET_ETP", "V4_NUM_NODES",
+                 "V4_NUM_GPUS_PER_NODE", "PRESET_GLOBAL_BATCH_SIZE", "PRESET_MICRO_BATCH_SIZE",
+                 "PRESET_NUM_STEPS", "PRESET_SEQ_LEN", "HW_SMOKE_SEQ_LEN", "HW_MAX_TOKENS_PER_GPU",
+                 "V4_SSH_RETRIES")
+NON_NEGATIVE_KEYS = ("PRESET_NUM_NODES", "PRESET_SAVE_INTERVAL", "PRESET_SAVE_RETAIN_INTERVAL",
+                     "PRESET_PP_FIRST_LAYERS", "PRESET_PP_LAST_LAYERS", "PRESET_LR_WARMUP_ITERS",
+                     "PRESET_LR", "PRESET_MIN_LR", "PRESET_WEIGHT_DECAY",
+                     "PRESET_MTP_LOSS_COEFF", "HW_GPU_MEMORY_GB")
+# Timeouts: 0 or less would fail every connection or step at once.
+POSITIVE_SECONDS_KEYS = ("V4_SSH_CONNECT_TIMEOUT", "V4_SSH_COMMAND_TIMEOUT", "V4_RAY_READY_TIMEOUT",
+                         "PRESET_JOB_TIMEOUT")
+
+# Names that end up inside rendered shell scripts and docker/ray command lines: only characters that
+# need no quoting there. (key, pattern, what it must look like)
+NAME_RULES = (
+    ("V4_CLUSTER_NAME", re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*"),
+     "letters, digits, '.', '_' and '-', starting with a letter or digit"),
+    ("V4_CONTAINER", re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*"),
+     "a docker container name: letters, digits, '_', '.' and '-', starting with a letter or digit"),
+    ("V4_IMAGE", re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*"),
+     "a docker image reference such as registry/name:tag or name@sha256:..."),
+    ("V4_SSH_USER", re.compile(r"[A-Za-z_][A-Za-z0-9._-]*"),
+     "a login name: letters, digits, '.', '_' and '-'"),
+    ("V4_SOCKET_IFNAME", re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*"),
+     "'auto' or a network interface name such as eth0 or bond0"),
+)
+HOSTNAME_RE = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                         r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
 
 
 @dataclass(frozen=True)
@@ -42,12 +83,23 @@ def model_facts(cfg: Config) -> ModelFacts:
 
     try:
         m = ModelConfig.preset(cfg["PRESET_MODEL"]).with_overrides(*cfg["PRESET_MODEL_OVERRIDES"])
-    except (KeyError, ValueError, TypeError) as e:
-        where = cfg.origin("PRESET_MODEL").where
-        raise ConfigError(f"{where}: model {cfg['PRESET_MODEL']!r} with overrides "
-                          f"{' '.join(cfg['PRESET_MODEL_OVERRIDES']) or '(none)'}: {e}",
-                          fix="PRESET_MODEL is one of tiny, 4layer, flash, pro; overrides are field=value") from None
-    shapes = m.param_shapes()
+        shapes = m.param_shapes()
+    except (KeyError, ValueError, TypeError, ArithmeticError) as e:
+        # ArithmeticError: a zero override (o_groups=0) divides by zero inside the model's own checks.
+        # The location first is the overrides' when there are any: that is the line to edit.
+        overrides, model_at = cfg["PRESET_MODEL_OVERRIDES"], cfg.origin("PRESET_MODEL").where
+        if overrides:
+            what = (f"{cfg.origin('PRESET_MODEL_OVERRIDES').where}: PRESET_MODEL_OVERRIDES={' '.join(overrides)!r} "
+                    f"on model {cfg['PRESET_MODEL']!r} ({model_at})")
+        else:
+            what = f"{model_at}: model {cfg['PRESET_MODEL']!r}"
+        if isinstance(e, ArithmeticError):
+            reason = f"{type(e).__name__}: {e}"
+        else:       # str() of a KeyError would add quotes
+            reason = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        raise ConfigError(f"{what}: {reason}",
+                          fix="PRESET_MODEL is one of tiny, 4layer, flash, pro; overrides are field=value "
+                              "with values the model accepts (sizes and counts >= 1)") from None
     expert = sum(math.prod(s) for name, s in shapes.items() if ".experts." in name)
     total = sum(math.prod(s) for s in shapes.values())
     # Without their loss terms the MTP blocks and the indexers get no gradient, hence no Adam state
@@ -95,17 +147,14 @@ def derive_and_check(cfg: Config) -> None:
     d["NODES"] = Derived(cfg.nodes, "V4_MASTER_IP + V4_WORKER_IPS")
 
     tp, pp, cp, ep = v["PRESET_TP"], v["PRESET_PP"], v["PRESET_CP"], v["PRESET_EP"]
-    for key in ("PRESET_TP", "PRESET_PP", "PRESET_CP", "PRESET_EP", "PRESET_ETP", "V4_NUM_NODES",
-                "V4_NUM_GPUS_PER_NODE", "PRESET_GLOBAL_BATCH_SIZE", "PRESET_MICRO_BATCH_SIZE"):
-        if v[key] < 1:
-            errors.append(f"{at(cfg, key)} must be >= 1")
+    _check_ranges(cfg, errors)
     if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+        raise InvalidConfig(errors)
     if not cfg.selection.preset:
         # Without a workload only the cluster and hardware layers can disagree.
-        _check_ports_paths(cfg, errors)
+        _check_site(cfg, errors)
         if errors:
-            raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+            raise InvalidConfig(errors)
         return
     model_parallel = tp * pp * cp
     if world % model_parallel:
@@ -196,34 +245,87 @@ def derive_and_check(cfg: Config) -> None:
     if v["HW_DIST_BACKEND"] == "nccl" and v["HW_DEVICE"] != "cuda":
         errors.append(f"{at(cfg, 'HW_DIST_BACKEND')} needs {at(cfg, 'HW_DEVICE')} to be cuda")
 
-    _check_ports_paths(cfg, errors)
+    _check_site(cfg, errors)
     if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors),
-                          fix="change the values above (or override them with --set KEY=VALUE), "
-                              "then `v4 config validate`")
+        raise InvalidConfig(errors, fix="change the values above (or override them with --set KEY=VALUE), "
+                                        "then `v4 config validate`")
+
+
+def _check_ranges(cfg: Config, errors: list[str]) -> None:
+    v = cfg.values
+    for key in POSITIVE_KEYS:
+        if v[key] < 1:
+            errors.append(f"{at(cfg, key)} must be >= 1")
+    for key in NON_NEGATIVE_KEYS:
+        if v[key] < 0:
+            errors.append(f"{at(cfg, key)} must be >= 0 ({SCHEMA[key].doc})")
+    for key in POSITIVE_SECONDS_KEYS:
+        if v[key] <= 0:
+            errors.append(f"{at(cfg, key)} must be > 0 seconds")
+
+
+def _check_site(cfg: Config, errors: list[str]) -> None:
+    """What the cluster and hardware layers alone decide: ports, paths, names, transport."""
+    _check_ports_paths(cfg, errors)
+    _check_names(cfg, errors)
 
 
 def _check_ports_paths(cfg: Config, errors: list[str]) -> None:
     v = cfg.values
+    for key in ALWAYS_PORT_KEYS:
+        if not 0 < v[key] < 65536:
+            errors.append(f"{at(cfg, key)} is not a valid port (1-65535)")
     seen: dict[int, str] = {}
-    for key in PORT_KEYS:
+    for key in (*PORT_KEYS, "V4_SSH_PORT"):
         port = v[key]
         if not port:
             continue
         if not 0 < port < 65536:
-            errors.append(f"{at(cfg, key)} is not a valid port")
+            if key in PORT_KEYS:
+                errors.append(f"{at(cfg, key)} is not a valid port (1-65535, or 0 for unused)")
         elif port in seen:
             errors.append(f"{at(cfg, key)} collides with {at(cfg, seen[port])}")
         else:
             seen[port] = key
     for key, spec in SCHEMA.items():
-        if spec.type == "path" and v[key] and not v[key].startswith("/"):
+        if spec.required and not v[key].strip():
+            errors.append(f"{at(cfg, key)} is empty, but it is required ({spec.doc}; paths built from it "
+                          f"would land under /): set an absolute path, or drop the empty assignment "
+                          f"(default: {spec.default})")
+        elif spec.type == "path" and v[key] and not v[key].startswith("/"):
             errors.append(f"{at(cfg, key)} must be an absolute path (nodes resolve relative paths differently)")
     if v["V4_EXECUTOR"] == "local" and (v["V4_TRANSPORT"] != "local" or v["V4_NUM_NODES"] != 1):
         errors.append(f"{at(cfg, 'V4_EXECUTOR')} runs steps on this machine only, but {at(cfg, 'V4_TRANSPORT')}, "
                       f"{at(cfg, 'V4_NUM_NODES')}")
     if v["V4_TRANSPORT"] == "local" and v["V4_NUM_NODES"] != 1:
         errors.append(f"{at(cfg, 'V4_TRANSPORT')} runs on this machine only, but {at(cfg, 'V4_NUM_NODES')}")
+
+
+def _check_names(cfg: Config, errors: list[str]) -> None:
+    """Names and addresses that are pasted into shell scripts must be plain: `x$(cmd)` would run."""
+    v = cfg.values
+    for key, pattern, what in NAME_RULES:
+        value = v[key]
+        if key == "V4_CLUSTER_NAME" and not value:
+            errors.append(f"{at(cfg, key)} is empty; name the cluster ({what})")
+        elif value and not pattern.fullmatch(value):
+            errors.append(f"{at(cfg, key)} is not valid: it must be {what}")
+    how = "write an IPv4/IPv6 address or a host name, e.g. 10.0.0.5 or node-01.example.com"
+    if not valid_host(v["V4_MASTER_IP"]):
+        errors.append(f"{at(cfg, 'V4_MASTER_IP')} is not an address or host name; {how}")
+    for host in v["V4_WORKER_IPS"]:
+        if not valid_host(host):
+            errors.append(f"V4_WORKER_IPS entry {host!r} ({cfg.origin('V4_WORKER_IPS').where}) is not an address "
+                          f"or host name; {how} (entries are separated by spaces)")
+
+
+def valid_host(host: str) -> bool:
+    """An IPv4/IPv6 address or an RFC 1123 host name."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return bool(HOSTNAME_RE.fullmatch(host))
 
 
 def model_tag(model: str, overrides: list[str], seed: int) -> str:
@@ -258,15 +360,18 @@ def pipeline_split(n_layers: int, pp: int, first: int, last: int, layout: str) -
         if n_layers % pp:
             raise ValueError(f"{n_layers} layers do not split evenly over PP={pp}; set first/last layer counts")
         return [n_layers // pp] * pp
+    if first < 0 or last < 0:
+        raise ValueError(f"first {first} / last {last} layer counts must be >= 0 (0: even split)")
     first = first or None
     last = last or None
     middle_stages = pp - 2
     rest = n_layers - (first or 0) - (last or 0)
     if first is None or last is None:
-        # one end given: the other stages share the rest evenly
+        # one end given: the other stages share the rest evenly, at least one layer each
         others = pp - 1
-        if rest % others:
-            raise ValueError(f"{rest} remaining layers do not split evenly over {others} stages")
+        if rest < others or rest % others:
+            raise ValueError(f"{first or last} layers on one end leave {rest} for the other {others} stage(s) "
+                             f"(must be a positive multiple of {others})")
         per = rest // others
         return [first or per] + [per] * middle_stages + [last or per]
     if middle_stages == 0:

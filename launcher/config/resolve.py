@@ -9,7 +9,9 @@ it overrides (append-style). Every value keeps the assignments that led to it.
 from __future__ import annotations
 
 import difflib
+import math
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -17,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.config.envfile import REF_RE, Assignment, parse_file, parse_value, unescape
-from launcher.config.schema import BUILTINS, SCHEMA, Key
+from launcher.config.envfile import Assignment, expand, parse_file, parse_value
+from launcher.config.schema import BUILTINS, SCHEMA, Key, secret_name
 from launcher.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +57,9 @@ class Config:
     derived: dict[str, Derived] = field(default_factory=dict)
     resolved: dict[tuple[str, int], str] = field(default_factory=dict)   # (key, history index) -> text
     warnings: list[str] = field(default_factory=list)          # cross-checks that are likely, not certain, trouble
+    # (key, history index) whose value took in a non-empty secret through `${...}`, directly or through
+    # other keys: V4_HTTP_PROXY="http://u:${V4_REDIS_PASSWORD}@proxy" is as secret as the password.
+    carries_secret: set[tuple[str, int]] = field(default_factory=set)
 
     def __getitem__(self, key: str) -> Any:
         if key in self.values:
@@ -80,10 +85,30 @@ class Config:
         """Node addresses, head first."""
         return [self.values["V4_MASTER_IP"], *self.values["V4_WORKER_IPS"]]
 
+    def is_secret(self, key: str, idx: int = -1) -> bool:
+        """Whether a key's value (its latest, or assignment `idx`) must be redacted when printed or saved:
+        a secret key's own, or one that took in a secret. Jobs still get the real value (job_values)."""
+        if key in SCHEMA and SCHEMA[key].secret:
+            return True
+        hist = self.history.get(key)
+        return bool(hist) and (key, idx % len(hist)) in self.carries_secret
+
     def shown(self, key: str) -> Any:
         """The value as it may be printed or saved: secrets redacted."""
         value = self[key]
-        return "***" if SCHEMA.get(key) and SCHEMA[key].secret and value not in ("", None) else value
+        return "***" if self.is_secret(key) and value not in ("", None, []) else value
+
+    def secret_texts(self) -> list[str]:
+        """The real text of every value `shown` redacts, longest first."""
+        texts = {self.resolved.get((k, len(h) - 1), "") for k, h in self.history.items() if self.is_secret(k)}
+        return sorted((t for t in texts if t), key=len, reverse=True)
+
+    def redact_text(self, text: str) -> str:
+        """`text` with every secret (and every value that took one in) replaced by ***: for printouts that
+        embed values themselves, such as a plan's rendered scripts and environment."""
+        for secret in self.secret_texts():
+            text = text.replace(secret, "***")
+        return text
 
     def explain(self) -> list[dict]:
         rows = []
@@ -96,7 +121,8 @@ class Config:
                 "value": self.shown(key),
                 "from": last.where,
                 "overrode": None if prev is None else {
-                    "value": "***" if SCHEMA[key].secret and prev.raw else self._as_written(key, len(hist) - 2),
+                    "value": "***" if self.is_secret(key, len(hist) - 2) and prev.raw
+                             else self._as_written(key, len(hist) - 2),
                     "from": prev.where},
             })
         for key, d in self.derived.items():
@@ -113,7 +139,7 @@ class Config:
         return {
             "selection": {"cluster": self.selection.cluster, "hw": self.selection.hw,
                           "preset": self.selection.preset, "env_files": list(self.selection.env_files),
-                          "sets": [_redact_set(s) for s in self.selection.sets]},
+                          "sets": [redact_set(s) for s in self.selection.sets]},
             "layers": [{"layer": layer, "file": f} for layer, f in self.layers],
             "values": {k: self.shown(k) for k in self.values},
             "derived": {k: d.value for k, d in self.derived.items()},
@@ -207,14 +233,18 @@ def _merge(layers: list[tuple[str, str, list[Assignment]]], root: Path) -> Confi
                                   fix="see `v4 config keys` for every key with its doc")
             history[a.key].append(a)
     builtins = {"V4_ROOT": str(root)}
-    raw, resolved = _interpolate(history, builtins)
-    values = {k: _typed(SCHEMA[k], raw[k], history[k][-1]) for k in SCHEMA}
-    return Config(values, history, Selection(), [(kind, f) for kind, f, _ in layers], resolved=resolved)
+    raw, resolved, carries = _interpolate(history, builtins)
+    values = {k: _typed(SCHEMA[k], raw[k], history[k][-1], SCHEMA[k].secret or (k, len(history[k]) - 1) in carries)
+              for k in SCHEMA}
+    return Config(values, history, Selection(), [(kind, f) for kind, f, _ in layers], resolved=resolved,
+                  carries_secret=carries)
 
 
-def _interpolate(history: dict[str, list[Assignment]],
-                 builtins: dict[str, str]) -> tuple[dict[str, str], dict[tuple[str, int], str]]:
+def _interpolate(history: dict[str, list[Assignment]], builtins: dict[str, str]
+                 ) -> tuple[dict[str, str], dict[tuple[str, int], str], set[tuple[str, int]]]:
+    """Resolve every assignment's references; also return the assignments whose value took in a secret."""
     memo: dict[tuple[str, int], str] = {}
+    carries: set[tuple[str, int]] = set()
 
     def value(key: str, idx: int, stack: list[tuple[str, int]]) -> str:
         if (key, idx) in memo:
@@ -227,18 +257,20 @@ def _interpolate(history: dict[str, list[Assignment]],
         if a.literal:
             out = a.raw
         else:
-            def sub(m):
-                ref = m.group(1)
+            def sub(ref):
                 if ref in builtins:
                     return builtins[ref]
                 if ref not in SCHEMA:
-                    raise ConfigError(f"{a.where}: {{{ref}}} refers to an {_unknown_key_message(ref, 'key')}")
+                    raise ConfigError(f"{a.where}: ${{{ref}}} refers to an {_unknown_key_message(ref, 'key')}")
                 # ${KEY} inside KEY's own value is the value it overrides
                 j = idx - 1 if ref == key else len(history[ref]) - 1
                 if j < 0:
                     return ""
-                return value(ref, j, stack + [(key, idx)])
-            out = unescape(REF_RE.sub(sub, a.raw))
+                text = value(ref, j, stack + [(key, idx)])
+                if text and (SCHEMA[ref].secret or (ref, j) in carries):
+                    carries.add((key, idx))
+                return text
+            out = expand(a.raw, sub)
         memo[(key, idx)] = out
         return out
 
@@ -249,15 +281,16 @@ def _interpolate(history: dict[str, list[Assignment]],
                 value(k, i, [])
             except ConfigError:
                 pass                    # an overridden value that no longer resolves is shown raw
-    return final, memo
+    return final, memo, carries
 
 
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
-def _typed(key: Key, raw: str, origin: Assignment) -> Any:
+def _typed(key: Key, raw: str, origin: Assignment, secret: bool = False) -> Any:
     def bad(expected: str) -> ConfigError:
-        return ConfigError(f"{origin.where}: {key.name}={raw!r}: expected {expected}",
+        shown = "*** (holds a secret, not shown)" if secret else repr(raw)
+        return ConfigError(f"{origin.where}: {key.name}={shown}: expected {expected}",
                            fix=f"{key.name}: {key.doc}")
     t = key.type
     if t in ("str", "path"):
@@ -271,9 +304,13 @@ def _typed(key: Key, raw: str, origin: Assignment) -> Any:
             raise bad("an integer") from None
     if t == "float":
         try:
-            return float(raw) if raw.strip() else 0.0
+            number = float(raw) if raw.strip() else 0.0
         except ValueError:
             raise bad("a number") from None
+        if not math.isfinite(number):
+            # nan/inf parse as floats, but no setting means them and they are not valid JSON
+            raise bad("a finite number")
+        return number
     if t == "bool":
         if raw.lower() in TRUE:
             return True
@@ -293,15 +330,18 @@ def _parse_set(s: str) -> Assignment:
     if not eq or not key:
         raise ConfigError(f"--set {s!r}: expected KEY=VALUE")
     if value[:1] in ("'", '"'):
-        raw, literal = parse_value(value, where)
+        raw, literal = parse_value(value, where, secret_name(key))
     else:
-        raw, literal = value, False
+        # The shell already removed its own quoting; of the escapes only `\$` (a literal dollar) is
+        # kept, every other backslash is the character itself (raw writes that as `\\`).
+        raw, literal = re.sub(r"\\(?!\$)", r"\\\\", value), False
     return Assignment(key, raw, literal, where)
 
 
-def _redact_set(s: str) -> str:
+def redact_set(s: str) -> str:
+    """A `--set KEY=VALUE` as it may be printed or saved: a secret key's value masked."""
     key, _, _ = s.partition("=")
-    return f"{key}=***" if key in SCHEMA and SCHEMA[key].secret else s
+    return f"{key}=***" if secret_name(key) else s
 
 
 def _unknown_key_message(key: str, what: str) -> str:

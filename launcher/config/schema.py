@@ -26,6 +26,12 @@ class Key:
         # A *_KEY that holds a file path names a secret, it is not one.
         return bool(SECRET_RE.search(self.name)) and self.type != "path"
 
+    @property
+    def required(self) -> bool:
+        # A path with a default is one the launcher always uses (the shared root, run registry, caches):
+        # emptied, it would silently become a path under `/` ("${V4_WORK}/runs" -> "/runs").
+        return self.type == "path" and self.default != ""
+
 
 def _k(name, type, default, layer, doc, choices=()):
     return Key(name, type, str(default), layer, doc, tuple(choices))
@@ -89,14 +95,9 @@ KEYS: list[Key] = [
     _k("HW_DIST_BACKEND", "enum", "gloo", "hw", "torch.distributed backend", ("gloo", "nccl")),
     _k("HW_GPU_NAME", "str", "", "hw", "substring the GPU's name must contain (preflight); empty on cpu"),
     _k("HW_GPU_MEMORY_GB", "float", 0, "hw", "memory per GPU in GB (0 on cpu)"),
-    _k("HW_PEAK_TFLOPS", "float", 0, "hw", "dense bf16 peak per GPU, for MFU (0: not reported)"),
     _k("HW_MAX_TOKENS_PER_GPU", "int", 4096, "hw", "token budget per GPU per micro-batch"),
-    _k("HW_RECOMPUTE_GRANULARITY", "enum", "none", "hw", "activation recomputation", ("none", "selective", "full")),
-    _k("HW_RECOMPUTE_METHOD", "enum", "", "hw", "with full recompute: uniform or block", ("", "uniform", "block")),
-    _k("HW_RECOMPUTE_NUM_LAYERS", "int", 0, "hw", "with full recompute: layers per recompute unit"),
-    _k("HW_FP8_ENABLED", "bool", 0, "hw", "FP8 GEMMs in training (the sparse-attention kernel stays BF16)"),
-    _k("HW_TILELANG_BLOCK_H", "int", 64, "hw", "TileLang sparse-attention head block"),
-    _k("HW_TILELANG_BLOCK_SIZE", "int", 64, "hw", "TileLang sparse-attention top-k block"),
+    _k("HW_RECOMPUTE_GRANULARITY", "enum", "none", "hw",
+       "activation recomputation: full recomputes each transformer block in backward", ("none", "full")),
     _k("HW_NCCL_NVLS_ENABLE", "bool", 0, "hw", "NVLink SHARP (multicast) in NCCL; keep 0 where the host forbids it"),
     _k("HW_NCCL_MIN_BUSBW_GBPS", "float", 0, "hw",
        "preflight `nccl`: the all-reduce bus bandwidth across a node's GPUs below which it warns (0: no floor)"),
@@ -152,5 +153,15 @@ SCHEMA: dict[str, Key] = {k.name: k for k in KEYS}
 # Filled in by the loader, never by a file: the project checkout the launcher runs from.
 BUILTINS = ("V4_ROOT",)
 
-# Ports that must differ from one another (0 = unused).
+# Ports on the head node that must differ from one another (0 = unused).
 PORT_KEYS = ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT", "V4_GRAFANA_PORT")
+# Ports always in use, so 0 is no choice: 1-65535. sshd listens on the head too, so V4_SSH_PORT must also
+# differ from the PORT_KEYS; the external Redis runs on its own host (V4_REDIS_HOST) and may share a number.
+ALWAYS_PORT_KEYS = ("V4_SSH_PORT", "V4_REDIS_PORT")
+
+
+def secret_name(name: str) -> bool:
+    """Whether a key's value must never be shown: a declared key by its schema entry, any other name
+    (a misspelt or unknown key may still hold a password) by its suffix."""
+    key = SCHEMA.get(name)
+    return key.secret if key else bool(SECRET_RE.search(name))

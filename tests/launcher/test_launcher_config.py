@@ -170,3 +170,176 @@ def test_memory_estimate_warns_before_an_oom():
     assert 0 < small["STATE_GB_PER_GPU"] < 141 and not small.warnings
     # 8 GPUs share the experts: fits an H200
     assert not resolve(Selection(cluster="h20_8node", hw="h200", preset="smoke")).warnings
+
+
+# --- secrets never printed: not in parse errors, not when pulled into another key ---------------------
+
+@pytest.mark.parametrize("text", [
+    "V4_REDIS_PASSWORD=hu$nter2\n",                 # bare `$`
+    "V4_REDIS_PASSWORD=hu nter2\n",                 # unquoted space
+    "V4_REDIS_PASSWORD=hu;nter2\n",                 # shell metacharacter
+    "V4_REDIS_PASSWORD hunter2\n",                  # malformed line
+    'V4_REDIS_PASSWORD="x"hunter2\n',               # text after the closing quote
+    "V4_REDIS_PASSWORD='x'hunter2\n",
+    'V4_REDIS_PASSWORD="hu$nter2"\n',
+])
+def test_parse_errors_never_show_a_secret(capsys, tmp_path, text):
+    f = env_file(tmp_path, "# leading comment\n" + text)
+    code, out, err = v4(capsys, "config", "show", "--env-file", f)
+    assert code == 2 and "extra.env:2" in err, err
+    assert "nter2" not in out + err, err
+
+
+def test_set_parse_error_never_shows_a_secret(capsys):
+    code, out, err = v4(capsys, "config", "show", "--set", 'V4_REDIS_PASSWORD="x"hunter2')
+    assert code == 2 and "cli --set V4_REDIS_PASSWORD" in err and "hunter2" not in out + err
+
+
+def test_a_secret_pulled_in_by_reference_is_redacted(capsys, tmp_path):
+    f = env_file(tmp_path, 'V4_REDIS_PASSWORD=hunter2\n'
+                           'V4_HTTP_PROXY="http://u:${V4_REDIS_PASSWORD}@proxy:3128"\n'
+                           'V4_TZ="${V4_HTTP_PROXY}"\n')           # transitively
+    for args in (["--json"], ["--explain"], []):
+        code, out, err = v4(capsys, "config", "show", "--env-file", f, *args)
+        assert code == 0 and "hunter2" not in out + err, out
+    code, out, err = v4(capsys, "config", "show", "--env-file", f, "--explain",
+                        "--set", "V4_HTTP_PROXY=http://proxy:3128")     # the overridden value stays hidden
+    line = next(l for l in out.splitlines() if l.startswith("V4_HTTP_PROXY "))
+    assert "http://proxy:3128" in line and "hunter2" not in out
+    cfg = load(Selection(env_files=(f,), environ={}))
+    assert cfg.shown("V4_TZ") == "***" and cfg.is_secret("V4_HTTP_PROXY")
+    assert cfg.job_values()["V4_HTTP_PROXY"] == "http://u:hunter2@proxy:3128"     # jobs get the real value
+    assert cfg.redact_text("export http_proxy=http://u:hunter2@proxy:3128") == "export http_proxy=***"
+    # an empty secret taints nothing
+    assert not load(Selection(env_files=(env_file(tmp_path, 'V4_HTTP_PROXY="${V4_REDIS_PASSWORD}x"\n', "e.env"),),
+                              environ={})).is_secret("V4_HTTP_PROXY")
+    # nor does it show up in a type error of the key that took it in
+    g = env_file(tmp_path, 'V4_REDIS_PASSWORD=hunter2\nV4_REDIS_PORT="${V4_REDIS_PASSWORD}"\n', "port.env")
+    code, out, err = v4(capsys, "config", "show", "--env-file", g)
+    assert code == 2 and "port.env:2" in err and "expected an integer" in err and "hunter2" not in err
+
+
+# --- the file format matches bash ---------------------------------------------------------------------
+
+def _bash_values(path: str, keys: list[str], env: dict[str, str]) -> dict[str, str]:
+    script = f"set -e; source {path}; " + "; ".join(f'printf "%s\\0" "${k}"' for k in keys)
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, check=True).stdout
+    return dict(zip(keys, out.split("\0")))
+
+
+def test_escapes_and_comments_resolve_as_bash_does(tmp_path):
+    f = env_file(tmp_path, '\n'.join([
+        'V4_TZ="\\${V4_WORK}"',                  # escaped: a literal ${V4_WORK}
+        'V4_IMAGE=\\${V4_WORK}',                 # the same, unquoted
+        'V4_CONTAINER_SHM_SIZE="\\\\${V4_WORK}"',  # an escaped backslash, then a real reference
+        'V4_PYTHON="a\\b\\"c\\`d\\$e"',           # kept backslash, escaped quote, backtick, dollar
+        'V4_HTTP_PROXY="UTC" # comment',
+        'V4_REDIS_HOST=a#b',                     # `#` not after whitespace is part of the value
+        'V4_RAY_NUM_CPUS=4\t# tab, then a comment',
+    ]) + "\n")
+    keys = ["V4_TZ", "V4_IMAGE", "V4_CONTAINER_SHM_SIZE", "V4_PYTHON", "V4_HTTP_PROXY", "V4_REDIS_HOST",
+            "V4_RAY_NUM_CPUS"]
+    cfg = load(Selection(env_files=(f,), sets=("V4_WORK=/w",), environ={}))
+    assert {k: cfg[k] for k in keys} == _bash_values(f, keys, {"V4_WORK": "/w", "PATH": "/usr/bin:/bin"})
+    assert cfg["V4_TZ"] == "${V4_WORK}" and cfg["V4_CONTAINER_SHM_SIZE"] == "\\/w"
+    assert load(Selection(sets=("V4_TZ=\\${V4_WORK}",), environ={}))["V4_TZ"] == "${V4_WORK}"
+
+
+def test_text_glued_to_a_closing_quote_is_refused(tmp_path):
+    # bash reads "UTC"#comment as `UTC#comment`; silently dropping `#comment` would differ from it
+    f = env_file(tmp_path, 'V4_TZ="UTC"#comment\n')
+    with pytest.raises(ConfigError, match=r"extra.env:1: unexpected text after the closing quote"):
+        load(Selection(env_files=(f,), environ={}))
+
+
+def test_line_numbers_count_newlines_only(tmp_path):
+    # a form feed (or \x1c, \u2028...) in a comment is no line break for bash
+    f = env_file(tmp_path, "# page one\x0cpage two\n# \u2028 still one line\nPRESET_TP=eight\r\n")
+    with pytest.raises(ConfigError, match=r"extra.env:3: PRESET_TP='eight'"):
+        load(Selection(env_files=(f,), environ={}))
+
+
+# --- values that cannot be right ----------------------------------------------------------------------
+
+def test_empty_work_root_is_refused(capsys):
+    with pytest.raises(ConfigError) as e:
+        resolve(Selection(preset="smoke", hw="cpu", environ={"V4_WORK": ""}))
+    assert "V4_WORK= (env $V4_WORK) is empty" in e.value.message and "absolute path" in e.value.message
+    code, _, err = v4(capsys, "config", "validate", "--set", "V4_OUT=")
+    assert code == 2 and "V4_OUT= (cli --set V4_OUT) is empty" in err
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("o_groups=0", ["ZeroDivisionError"]),
+    ("foo", ["'foo' is not key=value"]),
+])
+def test_bad_model_overrides_are_config_errors_at_their_origin(capsys, override, needles):
+    code, _, err = v4(capsys, "config", "validate", "--preset", "smoke", "--hw", "cpu",
+                      "--set", f"PRESET_MODEL_OVERRIDES={override}")
+    assert code == 2, err
+    for n in ["error: cli --set PRESET_MODEL_OVERRIDES:", *needles]:
+        assert n in err, err
+
+
+@pytest.mark.parametrize("setting, needle", [
+    ("PRESET_LR=nan", "PRESET_LR='nan': expected a finite number"),
+    ("HW_GPU_MEMORY_GB=inf", "expected a finite number"),
+    ("V4_SSH_PORT=0", "V4_SSH_PORT=0 (cli --set V4_SSH_PORT) is not a valid port"),
+    ("V4_SSH_PORT=70000", "is not a valid port"),
+    ("V4_SSH_PORT=6479", "V4_SSH_PORT=6479 (cli --set V4_SSH_PORT) collides with V4_RAY_PORT=6479"),
+    ("V4_REDIS_PORT=-1", "V4_REDIS_PORT=-1 (cli --set V4_REDIS_PORT) is not a valid port"),
+    ("PRESET_NUM_STEPS=0", "PRESET_NUM_STEPS=0 (cli --set PRESET_NUM_STEPS) must be >= 1"),
+    ("PRESET_SEQ_LEN=-4", "PRESET_SEQ_LEN=-4 (cli --set PRESET_SEQ_LEN) must be >= 1"),
+    ("PRESET_PP_FIRST_LAYERS=-1", "must be >= 0"),
+    ("V4_SSH_CONNECT_TIMEOUT=0", "must be > 0 seconds"),
+])
+def test_out_of_range_values_exit_2(capsys, setting, needle):
+    code, _, err = v4(capsys, "config", "validate", "--preset", "smoke", "--hw", "cpu", "--set", setting)
+    assert code == 2 and needle in err, err
+
+
+def test_pipeline_split_never_gives_a_stage_negative_layers(capsys):
+    with pytest.raises(ValueError, match="leave -1 for the other 1 stage"):
+        pipeline_split(4, 2, 0, 5, "")
+    with pytest.raises(ValueError, match="leave 0 for the other 2 stage"):
+        pipeline_split(4, 3, 4, 0, "")
+    code, _, err = v4(capsys, "config", "validate", "--preset", "smoke", "--hw", "cpu",
+                      "--set", "V4_NUM_GPUS_PER_NODE=2", "--set", "PRESET_PP=2", "--set", "PRESET_EP=1",
+                      "--set", "PRESET_PP_LAST_LAYERS=5")
+    assert code == 2 and "pipeline split" in err and "PRESET_PP_LAST_LAYERS=5 (cli --set" in err
+
+
+def test_validate_json_reports_failure_on_stdout(capsys):
+    code, out, err = v4(capsys, "config", "validate", "--json", "--preset", "smoke", "--hw", "cpu",
+                        "--set", "PRESET_TP=0", "--set", "PRESET_PP=0")
+    assert code == 2
+    report = json.loads(out)
+    assert report["ok"] is False and len(report["errors"]) == 2 and "PRESET_TP=0" in report["errors"][0]
+    assert "PRESET_TP=0" in err                         # the human-readable error still goes to stderr
+    code, out, _ = v4(capsys, "config", "validate", "--json", "--preset", "smoke", "--set", "PRESET_LR=nan")
+    assert code == 2 and "expected a finite number" in json.loads(out)["errors"][0]
+    code, out, _ = v4(capsys, "config", "validate", "--json", "--preset", "smoke", "--hw", "cpu")
+    assert code == 0 and json.loads(out)["ok"] is True
+
+
+@pytest.mark.parametrize("setting, needle", [
+    ("V4_CLUSTER_NAME=x$(touch /tmp/PWNED)",
+     "V4_CLUSTER_NAME=x$(touch /tmp/PWNED) (cli --set V4_CLUSTER_NAME) is not valid"),
+    ("V4_CLUSTER_NAME=", "V4_CLUSTER_NAME= (cli --set V4_CLUSTER_NAME) is empty"),
+    ("V4_MASTER_IP=10.0.0.1;reboot", "V4_MASTER_IP=10.0.0.1;reboot (cli --set V4_MASTER_IP) is not an address"),
+    ("V4_MASTER_IP=", "V4_MASTER_IP= (cli --set V4_MASTER_IP) is not an address"),
+    ("V4_CONTAINER=c`id`", "V4_CONTAINER=c`id` (cli --set V4_CONTAINER) is not valid: it must be a docker container"),
+    ("V4_IMAGE=img $(id)", "V4_IMAGE=img $(id) (cli --set V4_IMAGE) is not valid"),
+])
+def test_names_pasted_into_scripts_are_validated(capsys, setting, needle):
+    code, _, err = v4(capsys, "config", "validate", "--set", setting)
+    assert code == 2 and needle in err, err
+
+
+def test_worker_addresses_are_validated(tmp_path):
+    f = env_file(tmp_path, 'V4_TRANSPORT=ssh\nV4_NUM_NODES=4\n'
+                           'V4_WORKER_IPS="10.0.0.2 fd00::3 node-4.example.com"\n')
+    resolve(Selection(env_files=(f,), environ={}))
+    f = env_file(tmp_path, 'V4_TRANSPORT=ssh\nV4_NUM_NODES=3\nV4_WORKER_IPS="10.0.0.2 n3;id"\n')
+    with pytest.raises(ConfigError, match=r"V4_WORKER_IPS entry 'n3;id' \(.*extra.env:3\) is not an address"):
+        resolve(Selection(env_files=(f,), environ={}))
