@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shlex
 import sys
@@ -21,11 +22,12 @@ from typing import Callable
 
 from launcher.errors import ClusterError
 from launcher.node_scripts import source
-from launcher.nodes import HostKeyError, Node, Result, fan_out, node_local_dir, nodes_from_config, python_on_nodes
+from launcher.nodes import Node, Result, fan_out, node_local_dir, nodes_from_config, opened, python_on_nodes
 
 TEMPLATES = Path(__file__).parent / "templates"
 STATUS_SCHEMA = 1
 Progress = Callable[[str], None]
+HEARTBEAT_S = 15.0          # while waiting for readiness, a progress line at least this often
 
 
 def _stderr(msg: str) -> None:
@@ -37,7 +39,10 @@ def _jinja():
     import jinja2
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
+    # Every value pasted into a script goes through `q` (a shell word), or `comment` inside a `#` line (where a
+    # newline in the value would otherwise start a command).
     env.filters["q"] = lambda v: shlex.quote(str(v))
+    env.filters["comment"] = lambda v: re.sub(r"[\x00-\x1f\x7f]", "?", str(v))
     return env
 
 
@@ -109,9 +114,9 @@ def read_auth_token(cfg, head: Node | None = None) -> str:
     head = head or nodes_from_config(cfg)[0]
     try:
         r = head.run(f"cat {shlex.quote(auth_token_path(cfg, head.name))} 2>/dev/null", timeout=60)
-    except (ConnectionError, OSError, HostKeyError) as e:       # SSH: unreachable, refused, authentication, host key
-        raise ClusterError(f"cannot read the Ray auth token from the head {head.name}: {e}",
-                           fix="`v4 preflight --only ssh` shows what is wrong with SSH to it") from None
+    except Exception as e:   # noqa: BLE001 - SSH: unreachable, refused, authentication, host key, channel refused
+        raise ClusterError(f"cannot read the Ray auth token from the head {head.name}: {type(e).__name__}: {e}",
+                           fix=f"`v4 preflight --only ssh` shows what is wrong with SSH to {head.name}") from None
     finally:
         if own and hasattr(head, "close"):        # an SSH connection opened only for this
             head.close()
@@ -126,7 +131,8 @@ def _install_token(cfg, node: Node, token: str) -> Result:
     r = host.run(f"mkdir -p {shlex.quote(str(d.parent))} && (umask 077 && mkdir -p {shlex.quote(str(d))}) && "
                  f"chmod 700 {shlex.quote(str(d))}", timeout=60)
     if not r.ok:
-        raise ClusterError(f"{node.name}: cannot create {d}: {r.tail(3)}")
+        raise ClusterError(f"{node.name}: cannot create {d}: {r.tail(3)}",
+                           fix=f"make {d.parent} writable for V4_SSH_USER on {node.name} (V4_LOCAL_DIR)")
     fd, tmp = tempfile.mkstemp(prefix="v4-token-")          # 0600
     try:
         with os.fdopen(fd, "w") as f:
@@ -136,8 +142,40 @@ def _install_token(cfg, node: Node, token: str) -> Result:
         os.unlink(tmp)
     r = host.run(f"chmod 600 {shlex.quote(path)}", timeout=60)
     if not r.ok:
-        raise ClusterError(f"{node.name}: cannot protect {path}: {r.tail(3)}")
+        raise ClusterError(f"{node.name}: cannot protect {path}: {r.tail(3)}",
+                           fix=f"check the owner of {d} on {node.name}: it must be V4_SSH_USER")
     return r
+
+
+def _remove_token(cfg, node: Node) -> Result:
+    # Where `_install_token` wrote it: on the host (a removed container cannot hide it).
+    return node.host().run(f"rm -f {shlex.quote(auth_token_path(cfg, node.name))}", timeout=60)
+
+
+# --- the container (container mode) -------------------------------------------------------------
+
+CONTAINER_LABEL = "v4.launcher"       # its value: the V4_CLUSTER_NAME whose `up` created the container
+
+
+def container_state(cfg, node: Node) -> dict:
+    """V4_CONTAINER on `node`'s host, asked with `docker inspect` there: state absent | running | stopped | error,
+    owner (the cluster that made it, '' if not v4), ours, image, error. Never runs anything inside it."""
+    name = str(cfg.get("V4_CONTAINER", "") or "")
+    fmt = f'{{{{.State.Running}}}}|{{{{index .Config.Labels "{CONTAINER_LABEL}"}}}}|{{{{.Config.Image}}}}'
+    r = node.host().run(f"docker inspect -f {shlex.quote(fmt)} {shlex.quote(name)}", timeout=60)
+    out = {"name": name, "state": "error", "owner": "", "ours": False, "image": "", "error": ""}
+    if r.ok and r.stdout.count("|") >= 2:
+        running, owner, image = r.stdout.strip().splitlines()[-1].split("|", 2)
+        owner = "" if owner == "<no value>" else owner
+        out.update(state="running" if running == "true" else "stopped", owner=owner, image=image,
+                   ours=owner == str(cfg["V4_CLUSTER_NAME"]))
+    elif "no such" in r.stderr.lower():
+        out["state"] = "absent"
+    elif r.rc == 127:
+        out["error"] = f"docker not found on the host {node.name}: {r.tail(2)}"
+    else:
+        out["error"] = f"`docker inspect {name}` on {node.name} failed (rc {r.rc}): {r.tail(3)}"
+    return out
 
 
 def site_env(cfg) -> dict[str, str]:
@@ -250,7 +288,7 @@ class ClusterStatus:
 
 
 def _probe_gcs(cfg, head: Node, timeout: float = 45) -> dict:
-    cmd = (f"{shlex.quote(python_on_nodes(cfg))} - {gcs_address(cfg)} {dashboard_url(cfg)} "
+    cmd = (f"{shlex.quote(python_on_nodes(cfg))} - {shlex.quote(gcs_address(cfg))} {shlex.quote(dashboard_url(cfg))} "
            f"<<'V4_GCS'\n{source('ray_gcs')}V4_GCS\n")
     r = head.run(cmd, env=auth_env(cfg, head.name), timeout=timeout)
     if not r.ok:
@@ -260,6 +298,13 @@ def _probe_gcs(cfg, head: Node, timeout: float = 45) -> dict:
 
 
 def _procs_status(cfg, node: Node) -> dict:
+    if node.container:
+        # Ours runs only in our running container; `docker exec` into an absent one would look like a dead node.
+        box = container_state(cfg, node)
+        if box["state"] == "error":
+            raise ConnectionError(box["error"])
+        if not (box["state"] == "running" and box["ours"]):
+            return {"recorded": False}
     state = shlex.quote(ray_state_dir(cfg, node.name))
     cmd = (f"if [ -s {state}/ray_procs.json ]; then {shlex.quote(python_on_nodes(cfg))} - status "
            f"{state} <<'V4_PROCS'\n{source('ray_procs')}V4_PROCS\nelse echo '{{\"recorded\": false}}'; fi")
@@ -306,7 +351,11 @@ def _judge(cfg, st: ClusterStatus, gcs: dict) -> None:
 
 def status(cfg, nodes: list[Node] | None = None, *, procs: bool = True) -> ClusterStatus:
     """The cluster as it is: per-node recorded processes, the GCS's node table, jobs, problems."""
-    nodes = nodes or nodes_from_config(cfg)
+    with opened(cfg, nodes) as nodes:
+        return _status(cfg, nodes, procs)
+
+
+def _status(cfg, nodes: list[Node], procs: bool) -> ClusterStatus:
     st = ClusterStatus(cluster=str(cfg["V4_CLUSTER_NAME"]), head=cfg.nodes[0], gcs=gcs_address(cfg),
                        dashboard=dashboard_url(cfg),
                        nodes=[NodeState(ip=n.name, role="head" if i == 0 else "worker") for i, n in enumerate(nodes)])
@@ -345,8 +394,40 @@ def _check(results: list[Result], what: str) -> None:
 
 def up(cfg, nodes: list[Node] | None = None, progress: Progress = _stderr) -> ClusterStatus:
     """Bring Ray up on every node, head first; a healthy cluster is left as it is."""
-    nodes = nodes or nodes_from_config(cfg)
     cmds = cluster_commands(cfg)
+    with opened(cfg, nodes) as nodes:
+        return _up(cfg, nodes, cmds, progress)
+
+
+def _on_node(node: Node, what: str, fn: Callable[[], Result]) -> Result:
+    """`fn()`, with any failure to reach `node` (SSH, SFTP) turned into a ClusterError that names it."""
+    try:
+        return fn()
+    except ClusterError:
+        raise
+    except Exception as e:   # noqa: BLE001 - paramiko and socket errors alike
+        raise ClusterError(f"{what} on {node.name} failed: {type(e).__name__}: {e}",
+                           fix=f"`v4 preflight --only ssh` checks SSH (and SFTP) to {node.name}; then `v4 cluster up` "
+                               "again") from None
+
+
+def _settled_problems_fix(cfg, st: ClusterStatus) -> str:
+    """What to do about a cluster whose every Ray runs yet is not healthy (waiting would not change it)."""
+    fixes = []
+    text = " ".join(st.problems)
+    if "Ray sees" in text:
+        fixes.append("Ray was started with other resources than the configuration now asks for (V4_NUM_GPUS_PER_NODE, "
+                     "V4_RAY_NUM_CPUS, --hw): `v4 cluster down`, then `v4 cluster up`")
+    if st.extra_nodes:
+        fixes.append(f"stop the Ray on {', '.join(n['ip'] for n in st.extra_nodes)} (it joined this GCS) or add it "
+                     "to V4_WORKER_IPS")
+    if "dashboard" in text:
+        fixes.append(f"read {ray_state_dir(cfg, st.head)}/session_latest/logs/dashboard.log on {st.head}; "
+                     "`v4 cluster down`, then `v4 cluster up`")
+    return "; ".join(fixes) or "`v4 cluster status` shows it; `v4 cluster down`, then `v4 cluster up` restarts everything"
+
+
+def _up(cfg, nodes: list[Node], cmds: list[NodeCommands], progress: Progress) -> ClusterStatus:
     t0 = time.monotonic()
     st = status(cfg, nodes)
     if st.healthy:
@@ -362,23 +443,30 @@ def up(cfg, nodes: list[Node] | None = None, progress: Progress = _stderr) -> Cl
         raise ClusterError(f"a Ray that v4 did not start answers at {st.gcs}",
                            fix="stop it, or choose another V4_RAY_PORT / V4_DASHBOARD_PORT")
     by_ip = {n.name: n for n in nodes}
+    fresh: set[str] = set()          # nodes whose container was (re)created now: whatever Ray ran there is gone
     if cmds[0].container:
         progress(f"containers: ensuring {cfg['V4_CONTAINER']} runs {cfg['V4_IMAGE']} on {len(nodes)} node(s)")
-        _check(fan_out(nodes, lambda n: n.host().run(next(c for c in cmds if c.ip == n.name).container)),
-               "docker run")
-    head_started = _needs_start(head) or not st.gcs_ok
+        results = fan_out(nodes, lambda n: n.host().run(next(c for c in cmds if c.ip == n.name).container))
+        _check(results, "docker run")
+        fresh = {r.node for r in results if "created" in r.stdout.split()}
+    head_started = _needs_start(head) or not st.gcs_ok or head.ip in fresh
     if head_started:
         token = secrets.token_urlsafe(32)     # a new head, a new token
-        _install_token(cfg, by_ip[head.ip], token)
+        hn = by_ip[head.ip]
+        _on_node(hn, "installing the Ray auth token", lambda: _install_token(cfg, hn, token))
         progress(f"head {head.ip}: starting Ray (GCS :{cfg['V4_RAY_PORT']}, dashboard :{cfg['V4_DASHBOARD_PORT']})")
-        _check([by_ip[head.ip].run(cmds[0].start)], "ray start (head)")
+        _check([_on_node(hn, "ray start (head)", lambda: hn.run(cmds[0].start))], "ray start (head)")
         todo = cmds[1:]                       # a new head: every worker must (re)join it
     else:
         token = read_auth_token(cfg, by_ip[head.ip])
         if not token:
             raise ClusterError(f"the Ray head on {head.ip} has no auth token (started by an earlier v4, without token "
                                "auth): workers started now could not join it", fix="`v4 cluster down`, then `v4 cluster up`")
-        todo = [c for c, ns in zip(cmds[1:], st.nodes[1:]) if _needs_start(ns)]
+        todo = [c for c, ns in zip(cmds[1:], st.nodes[1:]) if _needs_start(ns) or ns.ip in fresh]
+        if not todo:
+            # Every node's Ray runs and is registered: what is wrong will not change by waiting for it.
+            raise ClusterError(f"cluster {st.cluster}: Ray runs on every node but the cluster is not healthy: "
+                               + "; ".join(st.problems), fix=_settled_problems_fix(cfg, st))
     if todo:
         progress(f"workers: starting Ray on {', '.join(c.ip for c in todo)}")
         _check(fan_out([by_ip[c.ip] for c in todo], lambda n: _install_token(cfg, n, token)),
@@ -397,21 +485,29 @@ def up(cfg, nodes: list[Node] | None = None, progress: Progress = _stderr) -> Cl
     return st
 
 
-def wait_ready(cfg, nodes: list[Node], progress: Progress = _stderr, timeout: float | None = None) -> ClusterStatus:
-    """Poll the GCS until it reports exactly the expected nodes with their resources."""
+def wait_ready(cfg, nodes: list[Node], progress: Progress = _stderr, timeout: float | None = None,
+               heartbeat: float = HEARTBEAT_S) -> ClusterStatus:
+    """Poll the GCS until it reports exactly the expected nodes with their resources; say what it waits for when
+    that changes, and at least every `heartbeat` seconds how long it has waited and has left."""
     timeout = float(cfg["V4_RAY_READY_TIMEOUT"]) if timeout is None else timeout
-    deadline, last = time.monotonic() + timeout, None
+    t0 = time.monotonic()
+    deadline, last, beat = t0 + timeout, None, t0 + heartbeat
     while True:
         st = status(cfg, nodes, procs=False)
         alive = [ns.ip for ns in st.nodes if ns.gcs_state == "ALIVE"]
         line = (f"ray: {len(alive)}/{len(st.nodes)} nodes registered"
                 + (f"; waiting for: {'; '.join(st.problems)}" if st.problems else ""))
+        now = time.monotonic()
         if line != last:
             progress(line)
-            last = line
+            last, beat = line, now + heartbeat
+        elif now >= beat and not st.healthy:
+            progress(f"ray: still waiting, {now - t0:.0f} s so far, {max(0.0, deadline - now):.0f} s left "
+                     f"(V4_RAY_READY_TIMEOUT={timeout:g}): {len(alive)}/{len(st.nodes)} nodes registered")
+            beat = now + heartbeat
         if st.healthy:
             return st
-        if time.monotonic() > deadline:
+        if now > deadline:
             missing = [ns.ip for ns in st.nodes if ns.gcs_state != "ALIVE"]
             raise ClusterError(
                 f"Ray not ready after {timeout:g} s (V4_RAY_READY_TIMEOUT): " + "; ".join(st.problems),
@@ -423,26 +519,49 @@ def wait_ready(cfg, nodes: list[Node], progress: Progress = _stderr, timeout: fl
 def down(cfg, nodes: list[Node] | None = None, force: bool = False,
          progress: Progress = _stderr) -> list[dict]:
     """Stop the Ray processes this tool started, workers and head in parallel; per-node report."""
-    nodes = nodes or nodes_from_config(cfg)
     cmds = {c.ip: c for c in cluster_commands(cfg, force=force)}
+    container = str(cfg.get("V4_CONTAINER", "") or "")
 
     def stop(n: Node) -> dict:
         c = cmds[n.name]
-        r = n.run(c.stop, timeout=120)
-        rep = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok and r.stdout.strip() else {}
-        if c.container_rm:
-            rc = n.host().run(c.container_rm, timeout=120)
-            rep["container_removed"] = rc.ok
-        rep.update(node=n.name, ok=r.ok and not rep.get("remaining"), error="" if r.ok else r.tail(8))
+        box = container_state(cfg, n) if container else None
+        if box and box["state"] == "error":
+            return {"node": n.name, "ok": False, "error": box["error"], "container": "error"}
+        if box is None or (box["state"] == "running" and box["ours"]):
+            r = n.run(c.stop, timeout=120)
+            rep = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok and r.stdout.strip() else {}
+            ok, errors = r.ok and not rep.get("remaining"), [] if r.ok else [r.tail(8)]
+        else:
+            # No container, a stopped one, or someone else's: nothing v4 started runs in it (and `docker exec`
+            # into a removed container would fail, so a second `down` would).
+            rep, ok, errors = {"recorded": False, "stopped": [], "killed": [], "remaining": []}, True, []
+        if box:
+            rep["container"] = box["state"] if box["ours"] or box["state"] == "absent" else "not v4's"
+            if box["state"] != "absent":
+                rm = n.host().run(c.container_rm, timeout=120)
+                rep["container_removed"] = rm.ok and box["ours"]
+                if not rm.ok:
+                    ok = False
+                    errors.append(f"removing container {container}: rc {rm.rc}: {rm.tail(4)}")
+        if ok:
+            # `up` wrote it on the host before `ray start`: with Ray gone, `v4 cluster token` must not print it.
+            t = _remove_token(cfg, n)
+            if not t.ok:
+                ok = False
+                errors.append(f"removing {auth_token_path(cfg, n.name)}: {t.tail(3)}")
+        rep.update(node=n.name, ok=ok, error="; ".join(errors))
         return rep
 
-    reports = fan_out(nodes, stop, on_error=lambda n, e: {"node": n.name, "ok": False,
-                                                          "error": f"{type(e).__name__}: {e}"})
+    with opened(cfg, nodes) as nodes:
+        reports = fan_out(nodes, stop, on_error=lambda n, e: {"node": n.name, "ok": False,
+                                                              "error": f"{type(e).__name__}: {e}"})
     for rep in reports:
         if not rep["ok"]:
             progress(f"{rep['node']}: stop failed: {rep.get('error') or 'still running: %s' % rep.get('remaining')}")
         elif not rep.get("recorded"):
-            progress(f"{rep['node']}: no Ray started by v4 here")
+            progress(f"{rep['node']}: no Ray started by v4 here"
+                     + {"absent": f" (no container {container})", "not v4's": f" (container {container} is not v4's: "
+                        "left alone)"}.get(rep.get("container", ""), ""))
         else:
             killed = rep.get("killed") or []
             progress(f"{rep['node']}: stopped {len(rep['stopped'])} recorded Ray process(es)"

@@ -2,8 +2,10 @@
 
 A node runs shell command strings (bash). Both kinds enforce a timeout on the node itself
 (`timeout` there, a killed process group here), so a hung command never outlives its caller.
-When the cluster runs in containers, `container` makes every `run` a `docker exec` into it;
-`host()` is the same node without the wrapping (for `docker run` itself).
+When the cluster runs in containers, `container` makes every `run` a `docker exec` into it, with
+the timeout enforced inside the container too (killing the `docker exec` client leaves the command
+running there); `host()` is the same node without the wrapping (for `docker run` itself).
+SSH connections stay open for reuse until `close()`: `opened(cfg)` closes the nodes it made.
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Protocol, Sequence, TypeVar
+from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
 TIMEOUT_RC = 124        # what coreutils `timeout` returns; we return it too
 UNREACHABLE_RC = 255    # what ssh(1) returns when it cannot connect
@@ -52,6 +55,7 @@ class Node(Protocol):
     def put(self, local: str | Path, remote: str) -> None: ...
     def get(self, remote: str, local: str | Path) -> None: ...
     def host(self) -> "Node": ...
+    def close(self) -> None: ...
 
 
 def shell_script(cmd: str, env: dict[str, str] | None) -> str:
@@ -65,9 +69,20 @@ def in_container(container: str, script: str) -> str:
     return f"docker exec -i {shlex.quote(container)} bash -c {shlex.quote(script)}"
 
 
-def _wrap(node_container: str, cmd: str, env: dict[str, str] | None) -> str:
+def _wrap(node_container: str, cmd: str, env: dict[str, str] | None, timeout: float | None = None) -> str:
     script = shell_script(cmd, env)
-    return in_container(node_container, script) if node_container else script
+    if not node_container:
+        return script
+    if timeout:
+        # The command runs under the container's init, not under `docker exec`: a timeout that kills the client
+        # (or its process group) leaves it running. `timeout` inside ends the command's whole group there.
+        script = f"timeout -k 5 {timeout:g} bash -c {shlex.quote(script)}"
+    return in_container(node_container, script)
+
+
+def container_grace(node_container: str, timeout: float | None) -> float | None:
+    """The host-side deadline: later than the one inside the container, which should fire first."""
+    return timeout + 10 if timeout and node_container else timeout
 
 
 # --- this machine -----------------------------------------------------------------------------
@@ -81,7 +96,9 @@ class LocalNode:
 
     def run(self, cmd: str, env: dict[str, str] | None = None, timeout: float | None = None) -> Result:
         timeout = timeout if timeout is not None else self.default_timeout
-        proc = subprocess.Popen(["bash", "-c", _wrap(self.container, cmd, env)], stdin=subprocess.DEVNULL,
+        script = _wrap(self.container, cmd, env, timeout)
+        timeout = container_grace(self.container, timeout)
+        proc = subprocess.Popen(["bash", "-c", script], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         try:
@@ -103,6 +120,9 @@ class LocalNode:
 
     def host(self) -> "LocalNode":
         return replace(self, container="")
+
+    def close(self) -> None:
+        pass
 
 
 def _kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
@@ -126,6 +146,10 @@ def _kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
 
 class HostKeyError(Exception):
     pass
+
+
+class SSHKeyError(ConnectionError):
+    """V4_SSH_KEY names a file that cannot be read: no retry can fix it, and the host is not to blame."""
 
 
 def _accept_and_record_policy(known_hosts: Path):
@@ -204,6 +228,21 @@ class SSHNode:
             raise
         return client
 
+    def _check_key_file(self) -> None:
+        """The key file must exist and be readable before any connect: paramiko's OSError for a missing key would
+        otherwise be retried like a refused connection, then reported as the host being unreachable."""
+        if not self.key_file:
+            return
+        try:
+            with open(Path(self.key_file).expanduser(), "rb"):
+                pass
+        except OSError as e:
+            why = ("does not exist" if isinstance(e, FileNotFoundError) else
+                   "is a directory, not a private key file" if isinstance(e, IsADirectoryError) else
+                   f"cannot be read ({e.strerror or e})")
+            raise SSHKeyError(f"{self.user}@{self.address}:{self.port}: authentication impossible: the SSH key "
+                              f"V4_SSH_KEY={self.key_file} {why}") from None
+
     def connect(self):
         """The live client, connecting (with bounded retries) when there is none."""
         import paramiko
@@ -211,6 +250,7 @@ class SSHNode:
             c = self.conn.client
             if c is not None and c.get_transport() is not None and c.get_transport().is_active():
                 return c
+            self._check_key_file()
             errors: list[BaseException] = []
             attempts = max(1, self.retries)
             for attempt in range(attempts):
@@ -248,18 +288,29 @@ class SSHNode:
     # commands and files
 
     def run(self, cmd: str, env: dict[str, str] | None = None, timeout: float | None = None) -> Result:
+        import paramiko
         timeout = timeout if timeout is not None else self.command_timeout
-        script = shlex.quote(_wrap(self.container, cmd, env))
+        script = shlex.quote(_wrap(self.container, cmd, env, timeout))
         # The node enforces the timeout itself: `timeout` kills the command's whole process group
-        # there, which closing our end of the channel would not do.
-        remote = f"timeout -k 5 {timeout:g} bash -c {script}" if timeout else f"bash -c {script}"
-        chan = self.connect().get_transport().open_session(timeout=self.connect_timeout)
+        # there, which closing our end of the channel would not do. (In a container, the one inside
+        # fires first; this one ends a hung `docker exec`.)
+        outer = container_grace(self.container, timeout)
+        remote = f"timeout -k 5 {outer:g} bash -c {script}" if outer else f"bash -c {script}"
+        client = self.connect()
+        chan = None
+        try:
+            chan = client.get_transport().open_session(timeout=self.connect_timeout)
+            chan.exec_command(remote)
+        except (paramiko.SSHException, EOFError, AttributeError) as e:   # refused channel, dropped transport
+            if chan is not None:
+                chan.close()
+            raise ConnectionError(f"{self.user}@{self.address}:{self.port}: SSH session failed: "
+                                  f"{type(e).__name__}: {e}") from e
         t0 = time.monotonic()
         try:
-            chan.exec_command(remote)
             chan.shutdown_write()
             out, err = bytearray(), bytearray()
-            deadline = time.monotonic() + timeout + 15 if timeout else None
+            deadline = time.monotonic() + outer + 15 if outer else None
             while True:
                 idle = True
                 while chan.recv_ready():
@@ -270,7 +321,7 @@ class SSHNode:
                     break
                 if deadline and time.monotonic() > deadline:   # the node did not honour `timeout`
                     return Result(self.name, TIMEOUT_RC, out.decode(errors="replace"),
-                                  err.decode(errors="replace") + f"\n[{self.name}] no answer after {timeout:g} s")
+                                  err.decode(errors="replace") + f"\n[{self.name}] no answer after {outer:g} s")
                 if idle:
                     time.sleep(0.02)
             rc = chan.recv_exit_status()
@@ -283,8 +334,17 @@ class SSHNode:
             rc = TIMEOUT_RC
         return Result(self.name, rc, out.decode(errors="replace"), stderr)
 
+    def _sftp(self):
+        import paramiko
+        client = self.connect()
+        try:
+            return client.open_sftp()
+        except (paramiko.SSHException, EOFError) as e:      # sftp disabled in sshd_config, channel refused
+            raise ConnectionError(f"{self.user}@{self.address}:{self.port}: SFTP session failed "
+                                  f"({type(e).__name__}: {e}); is the sftp subsystem enabled in sshd?") from e
+
     def put(self, local: str | Path, remote: str) -> None:
-        sftp = self.connect().open_sftp()
+        sftp = self._sftp()
         try:
             parts, p = [], Path(remote).parent
             while str(p) not in ("/", "."):
@@ -301,7 +361,7 @@ class SSHNode:
 
     def get(self, remote: str, local: str | Path) -> None:
         Path(local).parent.mkdir(parents=True, exist_ok=True)
-        sftp = self.connect().open_sftp()
+        sftp = self._sftp()
         try:
             sftp.get(remote, str(local))
         finally:
@@ -330,6 +390,28 @@ def fan_out(nodes: Sequence[Node], fn: Callable[[Node], T],
         return [one(n) for n in nodes]
     with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
         return list(pool.map(one, nodes))
+
+
+def close_all(nodes: Sequence[Node]) -> None:
+    """Close every node's connection (SSH transports are threads: they outlive a forgotten client)."""
+    for n in nodes:
+        try:
+            n.close()
+        except Exception:   # noqa: BLE001 - closing is best effort; the peer may be gone already
+            pass
+
+
+@contextmanager
+def opened(cfg, nodes: Sequence[Node] | None = None) -> Iterator[list[Node]]:
+    """`nodes`, or the configured ones; those made here are closed on the way out, given ones are the caller's."""
+    if nodes:
+        yield list(nodes)
+        return
+    made = nodes_from_config(cfg)
+    try:
+        yield made
+    finally:
+        close_all(made)
 
 
 def node_local_dir(cfg, ip: str) -> str:

@@ -19,7 +19,7 @@ from launcher.errors import PREFLIGHT_FAILED
 def preflight(selection, as_json, only, skip, strict, list_checks):
     """Check that every node can run the job: SSH, versions, GPUs, network, disks, ports, ...
 
-    Exit 0 when nothing FAILs, 3 otherwise. Each WARN/FAIL row carries a fix.
+    Exit 0 when nothing FAILs (with --strict: nothing WARNs either), 3 otherwise. Each WARN/FAIL row carries a fix.
     """
     from launcher import preflight as pf
     if list_checks:
@@ -28,7 +28,9 @@ def preflight(selection, as_json, only, skip, strict, list_checks):
         return
     cfg = load_config(selection)
     click.echo(f"preflight: {len(cfg.nodes)} node(s) of cluster {cfg['V4_CLUSTER_NAME']}", err=True)
+    strict = strict or bool(cfg.get("PRESET_STRICT_PREFLIGHT", False))
     results = pf.run_checks(cfg, only=only, skip=skip)
-    click.echo(pf.dumps(results) if as_json else pf.render_table(results))
-    if pf.failed(results, strict=strict or bool(cfg.get("PRESET_STRICT_PREFLIGHT", False))):
+    # the verdict printed (table or JSON `ok`) is the one the exit code gives
+    click.echo(pf.dumps(results, strict) if as_json else pf.render_table(results, strict))
+    if pf.failed(results, strict=strict):
         sys.exit(PREFLIGHT_FAILED)

@@ -56,13 +56,13 @@ def required_inputs(cfg) -> list[RequiredInput]:
 def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None, run=None) -> Results:
     """Every selected check on every node; one result per (check, node). `run`: the registry run these
     checks are for (a resumed one may already hold checkpoints, or have finished training)."""
-    from launcher.nodes import nodes_from_config
+    from launcher.nodes import opened
     from launcher.preflight.gather import gather
 
     names = select_checks(only, skip)
-    nodes = nodes or nodes_from_config(cfg)
     inputs = required_inputs(cfg) if inputs is None else list(inputs)
-    ctx = gather(cfg, nodes, inputs, measure_nccl="nccl" in names)
+    with opened(cfg, nodes) as nodes:          # SSH connections made here are closed here
+        ctx = gather(cfg, nodes, inputs, measure_nccl="nccl" in names)
     if run is not None:
         ctx.run_ckpt_gb = _tree_gb(run.dir / "checkpoints")
         ctx.run_trained = run.step_status("train").get("status") == "done"
@@ -96,12 +96,13 @@ def summary(results) -> dict[str, int]:
     return {s: sum(r.status == s for r in results) for s in STATUSES}
 
 
-def to_json(results) -> dict:
-    return {"schema": SCHEMA, "ok": not failed(results), "summary": summary(results),
+def to_json(results, strict: bool = False) -> dict:
+    """`ok` is what the exit code says: under `strict` a WARN fails too."""
+    return {"schema": SCHEMA, "ok": not failed(results, strict), "strict": strict, "summary": summary(results),
             "results": [asdict(r) for r in results]}
 
 
-def render_table(results) -> str:
+def render_table(results, strict: bool = False) -> str:
     if not results:
         return "no checks selected"
     w_name = max(len("CHECK"), *(len(r.name) for r in results))
@@ -112,10 +113,11 @@ def render_table(results) -> str:
         if r.fix and r.status in ("WARN", "FAIL"):
             lines.append(f"{'':<{w_name}}  {'':<{w_node}}          fix: {r.fix}")
     s = summary(results)
-    lines.append(", ".join(f"{n} {k}" for k, n in s.items() if n) +
-                 (" -- preflight FAILED" if s["FAIL"] else " -- preflight passed"))
+    verdict = (" -- preflight FAILED" if s["FAIL"] else
+               " -- preflight FAILED (strict: a WARN fails)" if strict and s["WARN"] else " -- preflight passed")
+    lines.append(", ".join(f"{n} {k}" for k, n in s.items() if n) + verdict)
     return "\n".join(lines)
 
 
-def dumps(results) -> str:
-    return json.dumps(to_json(results), indent=2)
+def dumps(results, strict: bool = False) -> str:
+    return json.dumps(to_json(results, strict), indent=2)

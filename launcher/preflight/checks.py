@@ -44,6 +44,12 @@ def ssh(node, ctx):
     if stage == "ssh":
         if "host key" in err:
             fix = err.split(". ", 1)[-1] if ". " in err else "add the node's host key to V4_SSH_KNOWN_HOSTS"
+        elif "V4_SSH_KEY=" in err:          # the key file itself is missing or unreadable: no host is to blame
+            fix = ("point V4_SSH_KEY at an existing private key file this user can read (the key whose .pub is in "
+                   f"~{cfg['V4_SSH_USER']}/.ssh/authorized_keys on the nodes), or create one: ssh-keygen -t ed25519 -f FILE")
+        elif err.startswith("`true` over SSH exited"):
+            fix = (f"log in as {cfg['V4_SSH_USER']}@{node} and run `bash -c true`: the account's shell (nologin?) or a "
+                   "startup file (~/.bashrc, BASH_ENV) must let a command run and exit 0; `timeout` (coreutils) must exist")
         elif "authentication failed" in err:
             fix = (f"append {cfg.get('V4_SSH_KEY') or 'your key'}.pub to ~{cfg['V4_SSH_USER']}/.ssh/authorized_keys "
                    f"on {node}, or point V4_SSH_KEY at a key it accepts")
@@ -57,13 +63,62 @@ def ssh(node, ctx):
     return PASS, f"{cfg['V4_SSH_USER']}@{node} ({host}) in {ctx.ssh_seconds.get(node, 0):.2f} s"
 
 
+def _not_in_container(ctx: Context, node: str) -> str:
+    """Why a software check cannot judge `node` yet (container mode, facts from the host)."""
+    box = ctx.containers.get(node, {})
+    state = {"absent": "does not exist yet", "stopped": "is stopped", "error": "cannot be inspected"}.get(
+        box.get("state", ""), "is not the one `v4 cluster up` would use" if box else "was not inspected")
+    return (f"container {ctx.cfg['V4_CONTAINER']} {state}: judged inside it once `v4 cluster up` runs it "
+            "(run `v4 preflight` again then)")
+
+
+@check("container", "container mode: V4_CONTAINER on each host is absent (made by `v4 cluster up`) or v4's own, "
+                    "running V4_IMAGE", needs_facts=False)
+def container(node, ctx):
+    cfg = ctx.cfg
+    name, image = str(cfg.get("V4_CONTAINER", "") or ""), str(cfg.get("V4_IMAGE", "") or "")
+    if ctx.errors.get(node, ("",))[0] == "ssh":
+        return None                          # the ssh row says why nothing is known about this node
+    if not name:
+        return SKIP, "V4_CONTAINER is empty: commands run on the host"
+    box = ctx.containers.get(node)
+    if box is None:
+        return None                          # gathering failed before it was asked; the python row says why
+    if box["state"] == "error":
+        fix = (f"install Docker on {node} (with the NVIDIA container toolkit for GPUs), or empty V4_CONTAINER to run on "
+               "the hosts" if "not found" in box["error"] else
+               f"make `docker` work for {cfg['V4_SSH_USER']} on {node} (daemon running; the user in the docker group)")
+        return FAIL, box["error"], fix
+    if box["state"] == "absent":
+        return PASS, f"{name} not created yet: `v4 cluster up` creates it from {image}; facts read on the host"
+    if not box["ours"]:
+        return FAIL, (f"a container named {name} exists but v4 did not create it for cluster {cfg['V4_CLUSTER_NAME']} "
+                      f"(label v4.launcher={box['owner'] or '(none)'}); `v4 cluster up` will refuse it"), \
+            f"remove it on {node} (docker rm -f {name}) if it is unused, or set V4_CONTAINER to another name"
+    if box["state"] != "running":
+        return PASS, f"{name} (v4's) is stopped: `v4 cluster up` replaces it; facts read on the host"
+    if box["image"] != image:
+        return WARN, (f"{name} runs {box['image']}, not V4_IMAGE={image}: a healthy cluster keeps it; facts read on "
+                      "the host"), "`v4 cluster down`, then `v4 cluster up` to run V4_IMAGE (or set V4_IMAGE back)"
+    return PASS, f"{name} runs {image} (v4's); facts read inside it"
+
+
 @check("python", "V4_PYTHON runs on the node (>= 3.12)", needs_facts=False)
 def python(node, ctx):
     stage, err = ctx.errors.get(node, ("", ""))
     if stage == "ssh":
         return None
     if stage == "python":
+        if ctx.where_failed.get(node) == "host":
+            return FAIL, err, (f"until container {ctx.cfg['V4_CONTAINER']} runs, preflight reads {node}'s facts with "
+                               "the host's python3 (3.8+, standard library only): install it there, or run "
+                               "`v4 cluster up` first and `v4 preflight` again")
+        if ctx.where_failed.get(node) == "container":
+            return FAIL, err, (f"the image {ctx.cfg.get('V4_IMAGE')} must provide V4_PYTHON "
+                               f"({python_on_nodes(ctx.cfg)}): fix the image or V4_PYTHON")
         return FAIL, err, "install the project's environment on every node at the same path, or set V4_PYTHON"
+    if ctx.on_host(node):
+        return SKIP, _not_in_container(ctx, node)
     f = ctx.facts[node]
     if vtuple(f["python"]) < (3, 12):
         return FAIL, f"{f['python_executable']} is Python {f['python']}", "use Python >= 3.12 (megatron-core >= 0.17)"
@@ -78,7 +133,9 @@ def _versions(f: dict) -> dict:
 
 @check("versions", "python, torch, megatron-core, tilelang and ray are the same on every node")
 def versions(node, ctx):
-    mine, usual = _versions(ctx.facts[node]), ctx.majority(_versions)
+    if ctx.on_host(node):
+        return SKIP, _not_in_container(ctx, node)
+    mine, usual = _versions(ctx.facts[node]), ctx.majority(_versions, where=lambda n: not ctx.on_host(n))
     diff = {k: v for k, v in mine.items() if usual.get(k) != v}
     text = ", ".join(f"{k} {v}" for k, v in mine.items())
     if diff:
@@ -90,6 +147,8 @@ def versions(node, ctx):
 
 @check("packages", "packages the jobs import are installed")
 def packages(node, ctx):
+    if ctx.on_host(node):
+        return SKIP, _not_in_container(ctx, node)
     pk = ctx.facts[node]["packages"]
     # Ray is needed only when steps run as Ray jobs (V4_EXECUTOR=local runs them as subprocesses)
     need = (["ray"] if ctx.cfg.get("V4_EXECUTOR", "ray") == "ray" else []) + ["torch", "megatron-core"]
@@ -104,6 +163,8 @@ def packages(node, ctx):
 
 @check("known_bad", "no package version with a known correctness bug")
 def known_bad(node, ctx):
+    if ctx.on_host(node):
+        return SKIP, _not_in_container(ctx, node)
     pk = ctx.facts[node]["packages"]
     for dist, lo, hi, why, fix in KNOWN_BAD:
         v = pk.get(dist)
@@ -216,7 +277,7 @@ def nccl(node, ctx):
         return SKIP, "needs HW_DEVICE=cuda and 2 or more GPUs per node"
     r = ctx.facts[node].get("nccl")
     if r is None:
-        return SKIP, "not measured"
+        return SKIP, _not_in_container(ctx, node) if ctx.on_host(node) else "not measured"
     fix = ("on the node, NCCL_DEBUG=INFO in the environment says why; check `nvidia-smi topo -m` (GPU links), "
            "NCCL_P2P_DISABLE / NCCL_SHM_DISABLE in the environment, and that no other job holds the GPUs")
     if r.get("error"):
@@ -382,6 +443,8 @@ def ulimit(node, ctx):
     m = ctx.facts[node]["memlock"]
     if m == "unlimited":
         return PASS, "ulimit -l unlimited"
+    if ctx.on_host(node):                   # container_run.sh.j2 starts it with --ulimit memlock=-1
+        return PASS, f"host: ulimit -l {m // 1024} KiB; the container runs with --ulimit memlock=-1"
     detail = f"ulimit -l {m // 1024} KiB"
     fix = "raise memlock (limits.conf `* - memlock unlimited`, or docker run --ulimit memlock=-1)"
     if ctx.cfg.get("V4_EXPECT_IB", False):

@@ -1,4 +1,10 @@
-"""Gather each node's facts in parallel: one SSH round trip per node (plus the head's token write)."""
+"""Gather each node's facts in parallel: a few SSH round trips per node (plus the head's token write).
+
+In container mode the facts come from inside V4_CONTAINER when it is the one `v4 cluster up` would use (ours, running
+V4_IMAGE); otherwise (a fresh cluster: preflight runs before `up` creates it) from the host, with the host's python3.
+The host sees the same GPUs, network (--network host), V4_WORK and V4_LOCAL_DIR (mounted at the same paths); only the
+image's software cannot be judged there.
+"""
 from __future__ import annotations
 
 import json
@@ -6,7 +12,7 @@ import secrets
 import shlex
 import time
 
-from launcher.cluster import ray_state_dir
+from launcher.cluster import container_state, ray_state_dir
 from launcher.node_scripts import source
 from launcher.nodes import Node, fan_out, node_local_dir, python_on_nodes
 from launcher.preflight.registry import Context, RequiredInput
@@ -37,8 +43,9 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bo
     token_file = f"{token_dir}/{secrets.token_hex(8)}"
     ctx.token = secrets.token_hex(16)
 
-    # The head writes a token into V4_WORK; every node must then read it back (really shared?).
-    head = nodes[0]
+    # The head writes a token into V4_WORK; every node must then read it back (really shared?). On the host: V4_WORK
+    # is mounted at the same path in a container, which may not exist yet.
+    head = nodes[0].host()
     try:
         r = head.run(f"mkdir -p {shlex.quote(token_dir)} && printf %s {ctx.token} > {shlex.quote(token_file)}",
                      timeout=30)
@@ -55,29 +62,45 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bo
     # the run's own NCCL setting: NVLink SHARP stays off where the hw layer says so
     nccl_env = {"NCCL_NVLS_ENABLE": str(int(bool(cfg.get("HW_NCCL_NVLS_ENABLE"))))}
 
+    image = str(cfg.get("V4_IMAGE", "") or "")
+
     def facts(node: Node) -> dict:
         args = {"work": work, "local": node_local_dir(cfg, node.name), "ray_state": ray_state_dir(cfg, node.name),
                 "token_file": token_file,
                 "ports": head_ports(cfg) if node.name == ctx.head else [],
                 "packages": list(PACKAGES), "paths": paths}
-        cmd = f"{shlex.quote(python)} - {shlex.quote(json.dumps(args))} <<'V4_FACTS'\n{script}V4_FACTS\n"
         t0 = time.time()
         try:
-            node.run("true", timeout=30)           # reachability first: separates ssh from python trouble
+            # reachability first, on the host: separates ssh from container and python trouble
+            r = node.host().run("true", timeout=30)
         except Exception as e:   # noqa: BLE001
             return {"_stage": "ssh", "_error": f"{type(e).__name__}: {e}"}
+        ssh_s = time.time() - t0
+        if not r.ok:           # a login that runs nothing: nologin shell, a profile that exits, no `timeout` there
+            return {"_stage": "ssh", "_error": f"`true` over SSH exited with rc {r.rc}: {r.tail(4) or '(no output)'}",
+                    "_ssh_s": ssh_s}
+        target, py, where = node, python, "node"
+        if node.container:
+            box = ctx.containers[node.name] = container_state(cfg, node)
+            where = "container"
+            if not (box["state"] == "running" and box["ours"] and box["image"] == image):
+                target, py, where = node.host(), "python3", "host"
+        cmd = f"{shlex.quote(py)} - {shlex.quote(json.dumps(args))} <<'V4_FACTS'\n{script}V4_FACTS\n"
         t1 = time.time()
-        r = node.run(cmd, timeout=120)
+        r = target.run(cmd, timeout=120)
         t2 = time.time()
         if not r.ok:
             why = "not found" if r.rc == 127 else f"rc {r.rc}"
-            return {"_stage": "python", "_error": f"{python} on the node ({why}): {r.tail(4)}", "_ssh_s": t1 - t0}
+            place = "on the host" if where == "host" else "in the container" if where == "container" else "on the node"
+            return {"_stage": "python", "_error": f"{py} {place} ({why}): {r.tail(4)}", "_ssh_s": ssh_s,
+                    "_where": where}
         out = json.loads(r.stdout.strip().splitlines()[-1])
+        out["_where"] = where
         # The node read its clock at script start; our send/receive times bound when that was.
         window = max(0.0, t2 - t1 - out.get("elapsed", 0))
         out["_clock"] = (out["time"] - (t1 + t2 - out.get("elapsed", 0)) / 2, window / 2)
-        out["_ssh_s"] = t1 - t0
-        if nccl_cmd:
+        out["_ssh_s"] = ssh_s
+        if nccl_cmd and where != "host":           # needs the image's torch
             r = node.run(nccl_cmd, env=nccl_env, timeout=nccl["timeout"] + 30)
             try:
                 out["nccl"] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -89,6 +112,8 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bo
                                            on_error=lambda n, e: {"_stage": "python", "_error": f"{type(e).__name__}: {e}"})):
         if "_stage" in f:
             ctx.errors[name] = (f["_stage"], f["_error"])
+            if "_where" in f:
+                ctx.where_failed[name] = f["_where"]
             if "_ssh_s" in f:
                 ctx.ssh_seconds[name] = f["_ssh_s"]
         else:

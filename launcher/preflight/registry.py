@@ -36,6 +36,9 @@ class Context:
     token_error: str = ""
     clock: dict[str, tuple[float, float]] = field(default_factory=dict)  # node -> (offset, uncertainty) s
     ssh_seconds: dict[str, float] = field(default_factory=dict)
+    # container mode: V4_CONTAINER on each node's host, as `cluster.container_state` reports it
+    containers: dict[str, dict] = field(default_factory=dict)
+    where_failed: dict[str, str] = field(default_factory=dict)   # node -> host / container / node: where python failed
     # a resumed run: its checkpoints already on disk count toward the room it needs; none if trained
     run_ckpt_gb: float = 0.0
     run_trained: bool = False
@@ -44,14 +47,19 @@ class Context:
     def head(self) -> str:
         return self.order[0]
 
-    def majority(self, fn: Callable[[dict], Any]) -> Any:
-        """The most common value of fn(facts) over the nodes with facts (ties: the head's)."""
-        values = [fn(self.facts[n]) for n in self.order if n in self.facts]
+    def on_host(self, node: str) -> bool:
+        """Container mode, but this node's facts come from its host: the container does not run (yet), or is not
+        the one `v4 cluster up` would use. The image's software is not visible there."""
+        return self.facts.get(node, {}).get("_where") == "host"
+
+    def majority(self, fn: Callable[[dict], Any], where: Callable[[str], bool] = lambda n: True) -> Any:
+        """The most common value of fn(facts) over the nodes with facts (and `where(node)`; ties: the head's)."""
+        values = [fn(self.facts[n]) for n in self.order if n in self.facts and where(n)]
         if not values:
             return None
         counts = Counter(map(repr, values))
         best = max(counts.values())
-        head_value = fn(self.facts[self.head]) if self.head in self.facts else None
+        head_value = fn(self.facts[self.head]) if self.head in self.facts and where(self.head) else None
         if head_value is not None and counts[repr(head_value)] == best:
             return head_value
         return next(v for v in values if counts[repr(v)] == best)

@@ -17,6 +17,11 @@ import pytest
 
 from conftest import tagged_pids
 from launcher import cluster
+from launcher.config import Selection, resolve
+from launcher.errors import ClusterError
+from launcher.nodes import opened
+# the stand-in docker for the hosts (no Docker engine here) and the SSH socket count, shared with the preflight tests
+from test_preflight_netns import container_cfg, fake_docker, settled_ssh_sockets, ssh_sockets
 
 pytestmark = pytest.mark.netns
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +72,14 @@ def test_up_twice_is_a_noop(netns_cfg, ray_up, capsys):
     assert {n.ip: n.proc("raylet")["pid"] for n in st.nodes} == before
 
 
+def test_status_and_up_close_their_ssh_connections(netns_cluster, netns_cfg, ray_up):
+    ips = [h.ip for h in netns_cluster.hosts]
+    before = ssh_sockets(ips)
+    assert cluster.status(netns_cfg).healthy
+    assert not cluster.up(netns_cfg).changed
+    assert settled_ssh_sockets(ips, before) <= before, "status/up left SSH connections open"
+
+
 def test_probe_job_runs_across_the_nodes(netns_cluster, netns_cfg, ray_up):
     out = json.loads(v4(netns_cfg, "cluster", "probe", "--json").stdout)
     hosts = netns_cluster.hosts
@@ -104,6 +117,30 @@ def test_killed_worker_raylet_shows_in_status_and_up_heals_it(netns_cluster, net
     assert healed.nodes[2].proc("raylet")["pid"] != pid
 
 
+def test_up_fails_at_once_when_every_ray_runs_but_the_cluster_is_wrong(netns_cluster, ray_up, tmp_path):
+    """Asked for 2 CPUs a node while every node's Ray runs with 1: nothing to start, and waiting
+    V4_RAY_READY_TIMEOUT would not change it. `up` says so at once, with what to do."""
+    path = netns_cluster.env_file(tmp_path / "cpus2.env", V4_RAY_NUM_CPUS=2, V4_RAY_READY_TIMEOUT=60)
+    cfg = resolve(Selection(cluster=str(path), hw="cpu"))
+    t = time.monotonic()
+    with pytest.raises(ClusterError, match="Ray runs on every node but the cluster is not healthy") as e:
+        cluster.up(cfg)
+    assert time.monotonic() - t < 20
+    assert "Ray sees 1 CPU(s), expected 2" in e.value.message
+    assert "V4_RAY_NUM_CPUS" in e.value.fix and "`v4 cluster down`, then `v4 cluster up`" in e.value.fix
+
+
+def test_waiting_for_readiness_says_how_long_it_has_left(netns_cluster, ray_up, tmp_path):
+    path = netns_cluster.env_file(tmp_path / "cpus2.env", V4_RAY_NUM_CPUS=2)
+    cfg = resolve(Selection(cluster=str(path), hw="cpu"))
+    lines: list[str] = []
+    with opened(cfg) as nodes, pytest.raises(ClusterError, match="not ready after 6 s"):
+        cluster.wait_ready(cfg, nodes, progress=lines.append, timeout=6, heartbeat=1)
+    beats = [x for x in lines if x.startswith("ray: still waiting")]
+    assert len(beats) >= 2, lines
+    assert "s so far" in beats[0] and "s left (V4_RAY_READY_TIMEOUT=6)" in beats[0], beats
+
+
 def test_down_stops_only_what_it_started(netns_cluster, netns_cfg, ray_up, tmp_path):
     c = netns_cluster
     host = c.hosts[1]
@@ -121,7 +158,11 @@ def test_down_stops_only_what_it_started(netns_cluster, netns_cfg, ray_up, tmp_p
         assert any("raylet" in open(f"/proc/{p}/comm").read() for p in foreign)
         ours = tagged_pids("V4_RAY_SESSION=v4-netns-")
         assert len(ours) >= 3 * 3
+        assert cluster.read_auth_token(netns_cfg)
+        ips = [h.ip for h in c.hosts]
+        before = ssh_sockets(ips)
         reports = cluster.down(netns_cfg)
+        assert settled_ssh_sockets(ips, before) <= before, "down left SSH connections open"
         assert [rep["ok"] for rep in reports] == [True] * 3, reports
         # each node's daemons signalled one after another end on SIGTERM (ray_procs.STOP_ORDER)
         assert [rep["killed"] for rep in reports] == [[]] * 3, reports
@@ -132,9 +173,55 @@ def test_down_stops_only_what_it_started(netns_cluster, netns_cfg, ray_up, tmp_p
         st = cluster.status(netns_cfg)
         assert not st.healthy and not st.gcs_ok
         assert not any(n.recorded for n in st.nodes)
+        # the token went with the Ray it was made for: `v4 cluster token` has nothing stale to print
+        assert not [ip for ip in ips if Path(cluster.auth_token_path(netns_cfg, ip)).exists()]
+        assert cluster.read_auth_token(netns_cfg) == ""
+        assert v4(netns_cfg, "cluster", "token", check=False).returncode == 5
     finally:
         for p in tagged_pids("FOREIGN_RAY="):
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_down_in_container_mode_twice(netns_cluster):
+    """Container mode: the first `down` stops what runs in v4's containers and removes them; the second finds no
+    container, hence nothing of ours running: ok, not a failed `docker exec`. A container v4 did not make is left
+    alone; a removal that fails is a failed `down`."""
+    c = netns_cluster
+    cfg = container_cfg(c)
+    ours = "running=true\nlabel=netns\nimage=img:1\n"
+    with fake_docker(c, {0: ours, 1: ours, 2: "running=true\nlabel=someone-else\nimage=x:2\n"}) as state:
+        first = cluster.down(cfg)
+        assert [r["ok"] for r in first] == [True] * 3, first
+        assert [r["container"] for r in first] == ["running", "running", "not v4's"], first
+        assert [r["container_removed"] for r in first] == [True, True, False], first
+        assert sorted(p.name for p in state.iterdir()) == [c.hosts[2].hostname]      # someone else's stays
+        second = cluster.down(cfg)
+        assert [r["ok"] for r in second] == [True] * 3, second
+        assert [r["container"] for r in second] == ["absent", "absent", "not v4's"], second
+        (state / c.hosts[1].hostname).write_text(ours + "rm=fail\n")
+        third = cluster.down(cfg)
+    assert [r["ok"] for r in third] == [True, False, True], third
+    assert "removal of container in progress" in third[1]["error"]
+
+
+def test_up_when_the_head_refuses_sftp_is_a_cluster_error(netns_cluster, netns_cfg, tmp_path):
+    """The head runs commands but refuses SFTP (where `up` copies the auth token): exit 5 with the head named and a
+    fix, not a paramiko traceback with exit 1."""
+    c, h = netns_cluster, netns_cluster.hosts[0]
+    wrapper = tmp_path / "no_sftp.sh"
+    wrapper.write_text('#!/bin/bash\ncase "$SSH_ORIGINAL_COMMAND" in *sftp*) echo "sftp is disabled here" >&2; '
+                       'exit 1;; esac\nexec bash -c "$SSH_ORIGINAL_COMMAND"\n')
+    wrapper.chmod(0o755)
+    c.restart_sshd(h, extra_config=f"ForceCommand {wrapper}")
+    try:
+        r = v4(netns_cfg, "cluster", "up", check=False)
+    finally:
+        c.restart_sshd(h)
+    assert r.returncode == 5, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"installing the Ray auth token on {h.ip} failed" in r.stderr and "SFTP" in r.stderr, r.stderr[-3000:]
+    assert f"fix: `v4 preflight --only ssh` checks SSH (and SFTP) to {h.ip}" in r.stderr
+    assert tagged_pids("V4_RAY_SESSION=v4-netns-") == []            # nothing was started

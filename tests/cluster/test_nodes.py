@@ -2,12 +2,43 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from launcher.nodes import HostKeyError, LocalNode, SSHNode, fan_out, in_container
+from launcher.nodes import HostKeyError, LocalNode, SSHKeyError, SSHNode, fan_out, in_container
+
+# A stand-in `docker` (this machine has the docker client but no engine): `exec` runs the command the way dockerd
+# does, outside the client's process group and session (setsid --fork), so killing the client leaves it running.
+FAKE_DOCKER_EXEC = """#!/bin/bash
+case "$1" in
+  exec) shift; [ "$1" = -i ] && shift; shift; exec setsid -f -w "$@" ;;
+  *) echo "stand-in docker: only exec" >&2; exit 1 ;;
+esac
+"""
+
+
+def _fake_docker_bin(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "docker").write_text(FAKE_DOCKER_EXEC)
+    (d / "docker").chmod(0o755)
+    return d
+
+
+def _kill_marked(marker: str) -> list[int]:
+    """Kill (by PID) the processes whose command line carries `marker`; return their PIDs."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                if marker in Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+                    os.kill(int(d), signal.SIGKILL)
+                    pids.append(int(d))
+            except OSError:
+                pass
+    return pids
 
 
 def _proc_cmdlines() -> list[str]:
@@ -21,9 +52,27 @@ def _proc_cmdlines() -> list[str]:
     return out
 
 
+_OPENED: list[SSHNode] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_ssh_nodes():
+    """Close what a test opened while its sshd still runs: that sshd then reaps its session processes (killed
+    at teardown instead, they would stay zombies under an init that does not reap)."""
+    yield
+    _close_opened()
+
+
+def _close_opened() -> None:
+    while _OPENED:
+        _OPENED.pop().close()
+
+
 def _ssh(c, host, **kw) -> SSHNode:
     kw = {"key_file": str(c.client_key), "known_hosts": str(c.known_hosts), "connect_timeout": 3, **kw}
-    return SSHNode(host.ip, **kw)
+    node = SSHNode(host.ip, **kw)
+    _OPENED.append(node)
+    return node
 
 
 # --- LocalNode ---------------------------------------------------------------------------------
@@ -57,6 +106,20 @@ def test_container_wrapping_is_a_node_property():
     cmd = in_container("v4c", "echo hi")
     assert cmd == "docker exec -i v4c bash -c 'echo hi'"
     assert node.host().container == "" and node.container == "v4c"
+
+
+def test_local_container_timeout_ends_the_command_inside(tmp_path, monkeypatch):
+    """Killing `docker exec` does not stop what it started in the container: the timeout must act in there."""
+    monkeypatch.setenv("PATH", f"{_fake_docker_bin(tmp_path / 'bin')}:{os.environ['PATH']}")
+    marker = f"sleep 47.{os.getpid()}"
+    try:
+        t = time.monotonic()
+        r = LocalNode(container="v4c").run(f"({marker}) & {marker}", timeout=1)
+        assert r.rc == 124 and time.monotonic() - t < 9, r
+        time.sleep(0.5)
+        assert not [c for c in _proc_cmdlines() if marker in c], "the command outlived its timeout in the container"
+    finally:
+        _kill_marked(marker)
 
 
 def test_fan_out_never_drops_a_failure():
@@ -187,3 +250,57 @@ def test_auth_token_from_an_unreachable_head_is_a_cluster_error(netns_cluster):
     head = _ssh(c, c.hosts[0], port=2222, retries=1)                    # nothing listens there
     with pytest.raises(ClusterError, match=f"auth token from the head {c.hosts[0].ip}"):
         read_auth_token({"V4_LOCAL_DIR": "/tmp/v4-{node_ip}", "V4_RAY_PORT": 6479}, head)
+
+
+@pytest.mark.netns
+def test_ssh_container_timeout_ends_the_command_inside(netns_cluster):
+    """Over SSH, `timeout` on the host ends only the `docker exec` client; the command runs on in the container
+    unless the timeout is also inside it."""
+    c, h = netns_cluster, netns_cluster.hosts[1]
+    fake = _fake_docker_bin(c.root / "fakedocker-exec")
+    c.restart_sshd(h, extra_config=f"SetEnv PATH={fake}:/usr/local/bin:/usr/bin:/bin")
+    marker = f"sleep 53.{os.getpid()}"
+    try:
+        t = time.monotonic()
+        r = _ssh(c, h, container="v4c").run(f"({marker}) & {marker}", timeout=1)
+        assert r.rc == 124 and time.monotonic() - t < 15, r
+        time.sleep(0.5)
+        assert not [x for x in _proc_cmdlines() if marker in x], "the command outlived its timeout in the container"
+        assert _ssh(c, h, container="v4c").run("echo in").stdout == "in\n"      # no timeout: plain exec
+    finally:
+        _kill_marked(marker)
+        _close_opened()
+        c.restart_sshd(h)
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_ssh_unusable_key_file_is_named_and_not_retried(netns_cluster, tmp_path, kind):
+    """A V4_SSH_KEY that cannot be read is the launcher's problem, not the host's: said at once, naming the file."""
+    key = tmp_path / "id_missing"
+    if kind == "directory":
+        key.mkdir()
+    t = time.monotonic()
+    with pytest.raises(SSHKeyError, match=f"V4_SSH_KEY={key} " + ("does not exist" if kind == "missing" else
+                                                                   "is a directory")) as e:
+        _ssh(netns_cluster, netns_cluster.hosts[0], key_file=str(key), retries=4, backoff=1.0).run("true")
+    assert time.monotonic() - t < 1, "retried"
+    assert "unreachable" not in str(e.value)
+    assert isinstance(e.value, ConnectionError)          # callers that catch connection trouble still do
+
+
+@pytest.mark.netns
+def test_auth_token_when_the_head_refuses_sessions(netns_cluster):
+    """SSH connects and authenticates, then the head refuses the session channel (MaxSessions 0): a ClusterError that
+    names the head, not paramiko's ChannelException."""
+    from launcher.cluster import read_auth_token
+    from launcher.errors import ClusterError
+    c, h = netns_cluster, netns_cluster.hosts[0]
+    c.restart_sshd(h, extra_config="Match Address *\n  MaxSessions 0")
+    try:
+        with pytest.raises(ClusterError, match=f"auth token from the head {h.ip}") as e:
+            read_auth_token({"V4_LOCAL_DIR": "/tmp/v4-{node_ip}", "V4_RAY_PORT": 6479}, _ssh(c, h, retries=1))
+        assert h.ip in e.value.fix
+    finally:
+        _close_opened()
+        c.restart_sshd(h)

@@ -197,3 +197,42 @@ def test_tree_gb_measures_what_a_run_holds(tmp_path):
     (tmp_path / "iter_3" / "shard").write_bytes(b"x" * 3_000_000)
     (tmp_path / "latest").write_text("3")
     assert _tree_gb(tmp_path) == 3_000_001 / 1e9
+
+
+def test_strict_verdict_is_the_one_printed():
+    """--strict: a WARN fails the command (exit 3), so the table's last line and the JSON's `ok` say so too."""
+    from launcher import preflight
+    from launcher.preflight.registry import CheckResult
+    rs = [CheckResult("ssh", A, "PASS", "ok"), CheckResult("clock", A, "WARN", "+2 s", "sync clocks")]
+    assert preflight.render_table(rs).endswith("1 PASS, 1 WARN -- preflight passed")
+    assert preflight.to_json(rs)["ok"] is True
+    assert preflight.render_table(rs, strict=True).endswith("-- preflight FAILED (strict: a WARN fails)")
+    assert preflight.to_json(rs, strict=True)["ok"] is False and preflight.failed(rs, strict=True)
+    assert preflight.to_json(rs[:1], strict=True)["ok"] is True
+
+
+def test_container_mode_facts_from_the_host():
+    """Before `v4 cluster up` the container does not exist: facts come from the host, the image's software is judged
+    later (SKIP, saying when), what the host shows (GPUs, disks, network) is judged now."""
+    cfg = cfg_for(V4_NUM_GPUS_PER_NODE=1, V4_EXPECT_IB=0, V4_CONTAINER="v4c", V4_IMAGE="img:1")
+    host = facts(_where="host", packages__torch=None, memlock=64 * 1024)
+    absent = {"state": "absent", "owner": "", "ours": False, "image": "", "error": ""}
+    kw = {"containers": {A: absent}}
+    r = one("container", cfg, host, **kw)
+    assert r.status == "PASS" and "`v4 cluster up` creates it from img:1" in r.detail
+    for name in ("python", "versions", "packages", "known_bad"):
+        r = one(name, cfg, host, **kw)
+        assert r.status == "SKIP" and "does not exist yet" in r.detail and "v4 cluster up" in r.detail, (name, r)
+    assert one("gpu", cfg, host, **kw).status == "PASS"
+    assert one("ulimit", cfg, host, **kw).status == "PASS"          # the container gets --ulimit memlock=-1
+    foreign = dict(absent, state="running", owner="other", image="x")
+    r = one("container", cfg, host, containers={A: foreign})
+    assert r.status == "FAIL" and "docker rm -f v4c" in r.fix
+    stale = dict(absent, state="running", owner=cfg["V4_CLUSTER_NAME"], ours=True, image="img:0")
+    assert one("container", cfg, host, containers={A: stale}).status == "WARN"
+    current = dict(stale, image="img:1")
+    assert one("container", cfg, facts(_where="container"), containers={A: current}).status == "PASS"
+    nodocker = dict(absent, state="error", error="docker not found on the host 10.0.0.1: docker: command not found")
+    r = one("container", cfg, host, containers={A: nodocker})
+    assert r.status == "FAIL" and "install Docker" in r.fix
+    assert one("container", cfg_for(V4_CONTAINER=""), facts()).status == "SKIP"     # no container: nothing to judge

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +142,78 @@ def test_container_without_image_is_refused():
     cfg = resolve(Selection(cluster="local", hw="cpu", sets=("V4_CONTAINER=c1", "V4_IMAGE=")))
     with pytest.raises(ClusterError, match="V4_IMAGE is empty"):
         cluster.cluster_commands(cfg)
+
+
+# --- hostile values: pasted into scripts, they stay data -------------------------------------------------
+
+# Stand-in commands for running the rendered scripts here, end to end, without Docker or Ray: each logs its
+# arguments one per line (so a value that arrives as one word shows as one line) and succeeds.
+STUB = """#!/bin/bash
+printf '%s\\n' "${0##*/}" "$@" "--" >> "$STUB_LOG"
+case "${0##*/}" in
+  python3) echo '{"gcs_ok": false, "error": "stub", "nodes": []}' ;;
+  docker) [ "$1" = inspect ] || exit 0
+          [ -n "$DOCKER_EXISTS" ] || exit 1                 # no container of that name yet: created
+          echo someone-else ;;                              # one exists, not ours: refused
+esac
+exit 0
+"""
+REAL = ("bash", "mkdir", "cat", "date", "awk", "tail", "touch", "rm")   # `touch`: what an injection would run
+
+
+def _hostile(marker_dir) -> dict[str, str]:
+    """Values that would run `touch` if pasted into bash unquoted (or, with a newline, into a comment)."""
+    m = lambda i: f"{marker_dir}/pwn{i}"
+    return {"V4_CLUSTER_NAME": f"x$(touch {m(1)})`touch {m(2)}`\";touch {m(3)};\"'x\ntouch {m(4)}",
+            "V4_MASTER_IP": f"10.0.0.1$(touch {m(5)})",
+            "worker": f"10.0.0.2;touch {m(6)}"}
+
+
+def _stub_path(tmp_path) -> str:
+    import shutil
+    d = tmp_path / "stubs"
+    d.mkdir()
+    for name in ("docker", "python3", "setsid"):
+        (d / name).write_text(STUB)
+        (d / name).chmod(0o755)
+    for name in REAL:
+        (d / name).symlink_to(shutil.which(name))
+    return str(d)
+
+
+def test_hostile_cluster_name_and_addresses_are_inert_in_every_script(tmp_path, monkeypatch):
+    """A cluster name like `x$(touch ...)` (or an address with `;`) reaches bash only as data: every rendered script
+    (container run/rm, Ray start on head and worker, stop) and the GCS probe command run end to end against
+    stand-in docker/python3/setsid, and no marker file appears; the values arrive as single arguments."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    bad = _hostile(marks)
+    cfg = resolve(Selection(cluster="h200_template", hw="h200"))
+    # set after resolving: the config layer may refuse such values, the templates must not depend on it
+    cfg.values.update(V4_CLUSTER_NAME=bad["V4_CLUSTER_NAME"], V4_MASTER_IP=bad["V4_MASTER_IP"],
+                      V4_WORKER_IPS=[bad["worker"]], V4_LOCAL_DIR=str(tmp_path / "local"), V4_PYTHON="python3",
+                      V4_WORK=str(tmp_path / "work"))
+    log = tmp_path / "stub.log"
+    env = {"PATH": _stub_path(tmp_path), "STUB_LOG": str(log), "HOME": str(tmp_path)}
+    scripts = []
+    for nc in cluster.cluster_commands(cfg, force=True):
+        Path(cluster.auth_token_path(cfg, nc.ip)).parent.mkdir(parents=True, exist_ok=True)
+        Path(cluster.auth_token_path(cfg, nc.ip)).write_text("tok")     # so the start script reaches `ray start`
+        scripts += [(nc.ip, what, s) for what, s in
+                    (("container", nc.container), ("start", nc.start), ("stop", nc.stop), ("rm", nc.container_rm))]
+    for ip, what, script in scripts:
+        _bash_ok(script)
+        for exists in ("", "1"):
+            subprocess.run(["/bin/bash", "-c", script], env=dict(env, DOCKER_EXISTS=exists), capture_output=True,
+                           text=True, timeout=60)
+    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.setenv("STUB_LOG", str(log))
+    cluster._probe_gcs(cfg, LocalNode(name=bad["V4_MASTER_IP"]))
+    assert sorted(p.name for p in marks.iterdir()) == [], "a value pasted into a script ran as a command"
+    args = log.read_text().split("\n")
+    # each value arrived whole: one argument, byte for byte
+    assert f"--node-ip-address={bad['worker']}" in args and f"--dashboard-host={bad['V4_MASTER_IP']}" in args
+    assert f"--address={bad['V4_MASTER_IP']}:{cfg['V4_RAY_PORT']}" in args
+    assert f"v4.launcher={bad['V4_CLUSTER_NAME']}" in log.read_text()
+    assert f"{bad['V4_MASTER_IP']}:{cfg['V4_RAY_PORT']}" in args                          # the probe's GCS address
+    assert f"http://{bad['V4_MASTER_IP']}:{cfg['V4_DASHBOARD_PORT']}" in args
