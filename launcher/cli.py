@@ -59,7 +59,8 @@ def completion(shell):
 
 def main(argv=None) -> None:
     try:
-        cli.main(args=argv, prog_name="v4", standalone_mode=False)
+        # without standalone mode click returns ctx.exit()'s code (--help, --version) instead of raising Exit
+        rc = cli.main(args=argv, prog_name="v4", standalone_mode=False)
     except V4Error as e:
         click.echo(e.render(), err=True)
         sys.exit(e.code)
@@ -69,6 +70,4 @@ def main(argv=None) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    sys.exit(0)
+    sys.exit(rc if isinstance(rc, int) else 0)

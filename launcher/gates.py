@@ -6,10 +6,12 @@ that cannot see its evidence must not pass).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,13 +28,30 @@ class GateResult:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    return read_metrics_checked(run_dir)[0]
+
+
+def read_metrics_checked(run_dir: Path) -> tuple[list[dict], list[int]]:
+    """The per-step rows of metrics.jsonl, and the numbers of the lines that are not a JSON object (a job killed
+    mid-write leaves a truncated last line) or whose `step` is not an integer: those are skipped, not fatal."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [], []
+    rows, bad = [], []
+    for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or ("step" in row and not isinstance(row["step"], int)):
+            bad.append(no)
+        elif "step" in row:          # rows without a step (none are written today) are not per-step metrics
+            rows.append(row)
     # a resumed run may repeat steps: the last row of a step wins
-    by_step = {r["step"]: r for r in rows if "step" in r}
-    return [by_step[s] for s in sorted(by_step)]
+    by_step = {r["step"]: r for r in rows}
+    return [by_step[s] for s in sorted(by_step)], bad
 
 
 def _finite(x) -> bool:
@@ -40,13 +59,17 @@ def _finite(x) -> bool:
 
 
 def evaluate(names: list[str], run_dir: Path, cfg) -> list[GateResult]:
-    rows = read_metrics(run_dir)
+    rows, bad = read_metrics_checked(run_dir)
+    # said in every gate's detail: a verdict over the remaining rows must not read as a verdict over all of them
+    skipped = (f"; skipped {len(bad)} malformed line(s) of metrics.jsonl (line {', '.join(map(str, bad[:5]))}"
+               f"{', ...' if len(bad) > 5 else ''})") if bad else ""
     out = []
     for name in names:
         if not rows:
-            out.append(GateResult(name, False, f"no metrics in {run_dir}/metrics.jsonl"))
-            continue
-        out.append(GATES[name](rows, Path(run_dir), cfg))
+            r = GateResult(name, False, f"no metrics in {run_dir}/metrics.jsonl")
+        else:
+            r = GATES[name](rows, Path(run_dir), cfg)
+        out.append(GateResult(r.name, r.passed, r.detail + skipped))
     return out
 
 
@@ -60,9 +83,10 @@ def finite_loss(rows, run_dir, cfg) -> GateResult:
 def loss_decreasing(rows, run_dir, cfg) -> GateResult:
     if len(rows) < 2:
         return GateResult("loss_decreasing", False, f"needs >= 2 steps, got {len(rows)}")
-    first, last = rows[0]["loss"], rows[-1]["loss"]
+    first, last = rows[0].get("loss"), rows[-1].get("loss")
     ok = _finite(first) and _finite(last) and last < first
-    return GateResult("loss_decreasing", ok, f"loss {first:.4f} (step {rows[0]['step']}) -> {last:.4f} "
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, (int, float)) else repr(v)   # noqa: E731 - a missing loss is None
+    return GateResult("loss_decreasing", ok, f"loss {fmt(first)} (step {rows[0]['step']}) -> {fmt(last)} "
                                              f"(step {rows[-1]['step']})")
 
 
@@ -123,10 +147,24 @@ def passed_stages(cfg) -> dict:
     return json.loads(p.read_text()).get(stage_key(cfg), {}) if p.is_file() else {}
 
 
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path`.lock: runs finishing at the same time (other stages, other clusters) share
+    stages.json, and a read-modify-write without it keeps only the last writer's entry."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def record_pass(cfg, stage: str, run_id: str, results: list[GateResult]) -> None:
     p = _stages_file(cfg)
-    data = json.loads(p.read_text()) if p.is_file() else {}
-    data.setdefault(stage_key(cfg), {})[stage] = {
-        "run_id": run_id, "passed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "gates": [asdict(r) for r in results]}
-    atomic_write(p, json.dumps(data, indent=2))
+    with _locked(p):
+        data = json.loads(p.read_text()) if p.is_file() else {}
+        data.setdefault(stage_key(cfg), {})[stage] = {
+            "run_id": run_id, "passed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "gates": [asdict(r) for r in results]}
+        atomic_write(p, json.dumps(data, indent=2))       # readers (passed_stages) take no lock: see old or new

@@ -2,7 +2,8 @@
 
 The dashboard address comes from the config (http://V4_MASTER_IP:V4_DASHBOARD_PORT). The log is
 followed while the job runs (progress lines) and written whole to the run directory at the end.
-Interrupting the wait (Ctrl-C) does not stop the job, as with `ray job submit`; `v4 runs stop` does.
+Interrupting the wait (Ctrl-C) does not stop the job, as with `ray job submit`; `v4 runs stop` does, and
+`v4 run --resume` follows it again instead of starting a second one (pipeline.resume_action).
 """
 from __future__ import annotations
 
@@ -168,6 +169,13 @@ def submit_and_wait(cfg, job, log_path: Path | str | None = None, progress: Prog
     c = client(cfg)
     sid = submit(cfg, job, c, progress)
     return wait(cfg, sid, job.timeout_s, log_path, c, progress)
+
+
+def job_status(cfg, sid: str, c=None) -> str | None:
+    """Ray's status of job `sid` (PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED), None if Ray does not know it.
+    A resumed step asks this about its earlier job before starting another (pipeline.resume_action)."""
+    info = _info(c or client(cfg), sid)
+    return None if info is None else info.status.value
 
 
 def stop(cfg, sid: str) -> bool:

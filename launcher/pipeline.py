@@ -7,19 +7,24 @@ command, or `--resume RUN_ID`, continues where a failed run stopped.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
+import os
 import shlex
+import signal
+import socket
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 from launcher import gates as gating
 from launcher.config import Config
-from launcher.errors import (GateError, JobError, NonFiniteError, PreflightError, Timeout, NONFINITE, TIMEOUT,
-                             V4Error)
+from launcher.config.resolve import redact_set
+from launcher.errors import (ConfigError, GateError, JobError, NonFiniteError, PreflightError, Timeout, NONFINITE,
+                             TIMEOUT, V4Error)
 from launcher.plan import Plan, Step
 
 
@@ -38,7 +43,7 @@ def quiet_ray_sdk() -> None:
     logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
 
 
-def check_stage_order(cfg: Config, force: bool) -> None:
+def check_stage_order(cfg: Config, force: bool, skip_checks=()) -> None:
     needed = cfg["PRESET_REQUIRES_STAGE"]
     if not needed:
         return
@@ -53,16 +58,17 @@ def check_stage_order(cfg: Config, force: bool) -> None:
     raise GateError(
         f"preset {sel.preset} (stage {cfg['PRESET_STAGE']}) needs stage {needed} to have passed first for "
         f"cluster/hw {gating.stage_key(cfg)} ({cfg.origin('PRESET_REQUIRES_STAGE').where})",
-        fix=f"v4 run --preset {needed} --cluster {sel.cluster} --hw {sel.hw}   (or pass --force)")
+        # the same --env-file/--set: V4_WORK among them decides which stages.json the pass lands in
+        fix=f"{rerun_command(cfg, preset=needed, skip_checks=skip_checks)}   (or pass --force)")
 
 
 def check_available(plan: Plan) -> None:
-    """Refuse up front when a step's program does not exist yet: no pretend success."""
-    missing = [f"{s.name} ({s.module})" for s in plan.steps
-               if s.kind == "job" and importlib.util.find_spec(s.module) is None]
+    """Refuse up front when a step's program does not exist yet: no pretend success, and no flag (not --force,
+    not a passed stage) can make it exist, so this comes before the stage order."""
+    missing = plan.unavailable()
     if missing:
-        raise JobError(f"not available yet in this version: {', '.join(missing)}",
-                       fix="drop these steps with --set PRESET_STEPS=\"...\" or use a preset whose steps exist")
+        raise ConfigError(f"not available yet in this version: {', '.join(missing)}",
+                          fix="drop these steps with --set PRESET_STEPS=\"...\" or use a preset whose steps exist")
 
 
 def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=False, as_json=False) -> None:
@@ -71,48 +77,106 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
     if cfg["V4_EXECUTOR"] == "ray":
         quiet_ray_sdk()
 
-    check_stage_order(cfg, force)
     check_available(plan)
+    check_stage_order(cfg, force, skip_checks)
     _check_skip_names(skip_checks)
     run = registry.open_run(cfg, plan) if resume else registry.create_run(cfg, plan, argv=sys.argv)
     # The single record of what this run was asked to do; every job reads it.
     run.write_json("config.json", {"values": cfg.job_values()}, private=True)
     say(f"run {plan.run_id}: {run.dir}")
+    resume_cmd = rerun_command(cfg, f"--resume {plan.run_id}", skip_checks=skip_checks, force=force)
     t0 = time.time()
     try:
-        for step in plan.steps:
-            if step.kind == "preflight":
-                _preflight(cfg, run, step, skip_checks)
-            elif step.kind == "cluster":
-                say(f"[cluster] bringing up Ray on {len(cfg.nodes)} node(s) (no-op when healthy)")
-                run.set_step(step.name, "running")
-                st = cluster.up(cfg, progress=say)
-                run.set_step(step.name, "done", cluster=st.to_json())
-            elif step.kind == "job":
-                _job(cfg, run, step, jobs)
-            elif step.kind == "gates":
-                _gates(cfg, run, plan)
+        with _signals_as_interrupt():
+            for step in plan.steps:
+                _check_not_stopped(run, resume_cmd)
+                if step.kind == "preflight":
+                    _preflight(cfg, run, step, skip_checks)
+                elif step.kind == "cluster":
+                    say(f"[cluster] bringing up Ray on {len(cfg.nodes)} node(s) (no-op when healthy)")
+                    run.set_step(step.name, "running")
+                    st = cluster.up(cfg, progress=say)
+                    run.set_step(step.name, "done", cluster=st.to_json())
+                elif step.kind == "job":
+                    _job(cfg, run, step, jobs, resume_cmd)
+                elif step.kind == "gates":
+                    _gates(cfg, run, plan)
+            _check_not_stopped(run, resume_cmd)
     except V4Error as e:
         run.finish("failed", error=e.message, code=e.code)
-        say(f"\nrun {plan.run_id} FAILED after {time.time() - t0:.0f} s: {e.message}")
-        say(f"  logs:   v4 runs logs {plan.run_id}")
-        say(f"  resume: {rerun_command(cfg, f'--resume {plan.run_id}')}")
+        say(f"\nrun {plan.run_id} {'STOPPED' if run.stopped else 'FAILED'} after {time.time() - t0:.0f} s: {e.message}")
+        say(f"  logs:   {runs_command(cfg, 'logs', plan.run_id)}")
+        say(f"  resume: {resume_cmd}")
         raise
     except BaseException as e:
-        # a bug or Ctrl-C: the run must not stay "running" in the registry
-        run.finish("failed", error=f"{type(e).__name__}: {e}", code=1)
+        # a bug, Ctrl-C or SIGTERM: the run must not stay "running" in the registry
+        what = "interrupted" if isinstance(e, KeyboardInterrupt) else type(e).__name__
+        run.finish("failed", error=f"{what}: {e}" if str(e) else what, code=1)
+        if isinstance(e, KeyboardInterrupt) and cfg["V4_EXECUTOR"] == "ray":
+            say(f"\nrun {plan.run_id} interrupted; a running Ray job keeps running (as with `ray job submit`):")
+            say(f"  stop it: {runs_command(cfg, 'stop', plan.run_id)}")
+            say(f"  or follow it again: {resume_cmd}")
         raise
     run.finish("passed")
     _summary(cfg, run, plan, time.time() - t0, as_json)
 
 
-def rerun_command(cfg, extra: str) -> str:
-    """The command that repeats this run's selection (every --env-file and --set included)."""
-    sel = cfg.selection
-    parts = ["v4 run", f"--preset {sel.preset}", f"--cluster {shlex.quote(sel.cluster)}", f"--hw {sel.hw}"]
-    parts += [f"--env-file {shlex.quote(f)}" for f in sel.env_files]
-    parts += [f"--set {shlex.quote(s)}" for s in sel.sets]
-    return " ".join(parts + [extra])
+def config_flags(cfg) -> list[str]:
+    """--cluster, --hw, every --env-file and --set (secret values shown as ***), quoted for a shell: what any
+    command we print needs to see the same configuration (V4_WORK among it decides where runs and stages live)."""
+    sel, q = cfg.selection, shlex.quote
+    flags = [f"--cluster {q(sel.cluster)}", f"--hw {q(sel.hw)}"]
+    flags += [f"--env-file {q(f)}" for f in sel.env_files]
+    return flags + [f"--set {q(redact_set(s))}" for s in sel.sets]
+
+
+def selection_flags(cfg, *, preset: str | None = None, skip_checks=(), force: bool = False) -> list[str]:
+    """The flags that select what a run is: --preset, config_flags, every --skip-check, and --force.
+    Every `v4 run` command we print is built from these."""
+    flags = [f"--preset {shlex.quote(preset or cfg.selection.preset)}", *config_flags(cfg)]
+    flags += [f"--skip-check {shlex.quote(n)}" for n in skip_checks]
+    return flags + (["--force"] if force else [])
+
+
+def rerun_command(cfg, extra: str = "", *, preset: str | None = None, skip_checks=(), force: bool = False) -> str:
+    """The command that repeats this run's selection (or runs `preset` with it), plus `extra`."""
+    flags = selection_flags(cfg, preset=preset, skip_checks=skip_checks, force=force)
+    return " ".join(["v4 run", *flags, extra]).rstrip()
+
+
+def runs_command(cfg, verb: str, run_id: str) -> str:
+    """`v4 runs VERB RUN` that finds this run (under the same V4_OUT)."""
+    return " ".join(["v4 runs", verb, run_id, *config_flags(cfg)])
+
+
+def _check_not_stopped(run, resume_cmd: str) -> None:
+    """`v4 runs stop` (another process) marks the run stopped: no further step may start after it."""
+    if run.stopped:
+        raise JobError(f"run {run.id} was stopped (`v4 runs stop`); no further step runs",
+                       fix=f"to continue it: {resume_cmd}")
+
+
+@contextmanager
+def _signals_as_interrupt():
+    """SIGTERM (a scheduler, `kill`) and SIGHUP (a closed terminal) end the launcher the way Ctrl-C does: as an
+    exception, so a local job's process group is stopped and the run is not left "running". Signals already
+    ignored (nohup) stay ignored; only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            old[sig] = signal.signal(sig, interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _check_skip_names(skip_checks) -> None:
@@ -127,11 +191,13 @@ def _preflight(cfg, run, step: Step, skip_checks) -> None:
     say(f"[preflight] {len(cfg.nodes)} node(s)")
     run.set_step(step.name, "running")
     results = preflight.run_checks(cfg, run=run)
-    say(preflight.render_table(results))
-    run.record_preflight(results)
     strict = cfg["PRESET_STRICT_PREFLIGHT"]
-    failing = [r for r in results if (r.status == "FAIL" or (strict and r.status == "WARN"))
-               and r.name not in skip_checks]
+    say(preflight.render_table(results, strict))
+    run.record_preflight(results)
+    failing = [r for r in preflight.failed(results, strict) if r.name not in skip_checks]
+    skipped = sorted({r.name for r in preflight.failed(results, strict)} - {r.name for r in failing})
+    if skipped:
+        say(f"[preflight] going on despite {', '.join(skipped)} (--skip-check)")
     if failing:
         run.set_step(step.name, "failed")
         names = sorted({r.name for r in failing})
@@ -142,22 +208,78 @@ def _preflight(cfg, run, step: Step, skip_checks) -> None:
     run.set_step(step.name, "done")
 
 
-def _job(cfg, run, step: Step, jobs) -> None:
+# What to do with a job an earlier attempt of this run left "running" (the launcher was interrupted or killed).
+FOLLOW, COLLECT, REFUSE, NEW = "follow", "collect", "refuse", "new"
+
+
+def resume_action(step_status: dict, job_state: str | None, can_follow: bool = True) -> str:
+    """Decide from a step's recorded status and what its executor now says of the recorded job (Ray's job status,
+    or RUNNING while a local job's process group lives; None: unknown or gone):
+      follow  - still PENDING/RUNNING: wait for that job, never start a second one on the same checkpoints
+      collect - it SUCCEEDED while nobody watched: take its result, the step is done
+      refuse  - still running but cannot be followed (a local process this launcher is not the parent of)
+      new     - nothing alive to reuse: a new job, under a new id (Ray never reuses one)."""
+    if step_status.get("status") != "running" or not step_status.get("submission_id"):
+        return NEW
+    if job_state in ("PENDING", "RUNNING"):
+        return FOLLOW if can_follow else REFUSE
+    if job_state == "SUCCEEDED" and can_follow:
+        return COLLECT
+    return NEW
+
+
+def _earlier_job_state(cfg, run, status: dict, jobs) -> tuple[str | None, bool]:
+    """(state of the job an earlier attempt left running, whether it can be followed)."""
+    if status.get("status") != "running":
+        return None, True
+    if status.get("pgid"):                     # a local job: only the host that started it can see it
+        if status.get("host") != socket.gethostname():
+            say(f"warning: step {status.get('name')}: the local job of an earlier attempt ran on {status.get('host')} "
+                f"(process group {status['pgid']}); this host cannot tell whether it still runs")
+            return None, False
+        return ("RUNNING" if group_alive(status["pgid"], run.dir) else None), False
+    if cfg["V4_EXECUTOR"] == "ray" and status.get("submission_id"):
+        return jobs.job_status(cfg, status["submission_id"]), True
+    return None, True
+
+
+def _job(cfg, run, step: Step, jobs, resume_cmd: str = "") -> None:
     status = run.step_status(step.name)
     if status.get("status") == "done":
         say(f"[{step.name}] done in an earlier attempt of this run; skipped")
         return
     say(f"[{step.name}] {step.doc}")
-    attempts = len(status.get("submission_ids", []))
-    if attempts:
-        # Ray keeps finished submissions: a resumed step needs a fresh id
-        step.job.submission_id = f"{step.job.submission_id}-r{attempts}"
-    run.set_step(step.name, "running", submission_id=step.job.submission_id)
-    log = run.dir / "steps" / step.name / "log"
-    if cfg["V4_EXECUTOR"] == "local":
-        outcome = run_local(cfg, step.job, log)
+    log = run.step_log(step.name)
+    state, can_follow = _earlier_job_state(cfg, run, status, jobs)
+    action = resume_action(status, state, can_follow)
+    if action == REFUSE:
+        raise JobError(f"{step.name}: the local job of an earlier attempt (process group {status['pgid']}) is still "
+                       "running; a second one would work on the same outputs",
+                       fix=f"{runs_command(cfg, 'stop', run.id)}   (then resume again)")
+    if action in (FOLLOW, COLLECT):
+        sid = status["submission_id"]
+        say(f"[{step.name}] job {sid} of an earlier attempt is {state}: "
+            + ("following it, not starting another" if action == FOLLOW else "taking its result"))
+        # PRESET_JOB_TIMEOUT counts from when that job started, not from this resume
+        left = step.job.timeout_s - (time.time() - status.get("started_at", time.time()))
+        outcome = jobs.wait(cfg, sid, max(left, 1.0), log_path=log, progress=say)
     else:
-        outcome = jobs.submit_and_wait(cfg, step.job, log_path=log, progress=say)
+        attempts = len(status.get("submission_ids", []))
+        if attempts:
+            # Ray keeps finished submissions: a resumed step needs a fresh id
+            step.job.submission_id = f"{step.job.submission_id}-r{attempts}"
+        # pgid/host: an earlier attempt's local process group is not this attempt's
+        run.set_step(step.name, "running", submission_id=step.job.submission_id, pgid=None, host=None)
+        if cfg["V4_EXECUTOR"] == "local":
+            # recorded so that `v4 runs stop` (another process) can stop the job's whole process group
+            def started(pgid: int) -> None:
+                run.set_step(step.name, "running", pgid=pgid, host=socket.gethostname())
+            outcome = run_local(cfg, step.job, log, on_start=started)
+        else:
+            outcome = jobs.submit_and_wait(cfg, step.job, log_path=log, progress=say)
+    if not outcome.ok and run.stopped:   # `v4 runs stop` ended the job: its failure is the stop, not the step's
+        run.set_step(step.name, "stopped", **outcome.to_json())
+        _check_not_stopped(run, resume_cmd)
     run.set_step(step.name, "done" if outcome.ok else "failed", **outcome.to_json())
     if outcome.ok:
         say(f"[{step.name}] done in {outcome.elapsed_s:.0f} s")
@@ -206,7 +328,6 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
     run.write_json("summary.json", summary)
     if as_json:
         print(json.dumps(summary, indent=2))
-    sel = cfg.selection
     nxt = NEXT_STAGE.get(cfg["PRESET_STAGE"])
     fmt = lambda v, f: "-" if v is None else format(v, f)
     say(f"\nrun {plan.run_id} PASSED in {elapsed:.0f} s: {summary['steps']} steps, "
@@ -214,14 +335,21 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
         f"{fmt(summary['step_time_s'], '.2f')} s/step, {fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
         f"peak {fmt(summary['peak_mem_gb'], '.2f')} GB")
     say("next:")
-    say(f"  v4 runs show {plan.run_id}")
+    say(f"  {runs_command(cfg, 'show', plan.run_id)}")
     if nxt:
-        say(f"  v4 run --preset {nxt} --cluster {sel.cluster} --hw {sel.hw} --dry-run")
+        say(f"  {rerun_command(cfg, '--dry-run', preset=nxt)}")
 
 
-def run_local(cfg, job, log_path: Path, progress=say):
-    """The V4_EXECUTOR=local path: the step's entrypoint as a subprocess here, same env, same log."""
-    import os
+# How long a stopped local job gets to exit on SIGTERM (save, flush, release GPUs) before SIGKILL.
+STOP_GRACE_S = 10.0
+
+
+def run_local(cfg, job, log_path: Path, progress=say, on_start=None):
+    """The V4_EXECUTOR=local path: the step's entrypoint as a subprocess here, same env, same log.
+
+    The job gets its own session (process group) so that a timeout, Ctrl-C/SIGTERM of the launcher or `v4 runs
+    stop` ends all of its processes. The deadline is enforced by waiting on the process, not by reading its output:
+    a job that prints nothing is timed out all the same. on_start(pgid) is called once it runs."""
     import re
     import subprocess
 
@@ -237,19 +365,82 @@ def run_local(cfg, job, log_path: Path, progress=say):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(job.entrypoint, shell=True, cwd=job.runtime_env["working_dir"], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        reader = threading.Thread(target=_copy_output, args=(proc.stdout, log, progress), daemon=True)
+        reader.start()
         status = None
         try:
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()
-                progress("  | " + line.rstrip())
-                if time.time() - t0 > job.timeout_s:
-                    status = "TIMEOUT"
-                    break
+            if on_start is not None:
+                on_start(proc.pid)
+            try:
+                rc = proc.wait(timeout=job.timeout_s)
+            except subprocess.TimeoutExpired:
+                status = "TIMEOUT"
+                progress(f"still running after {job.timeout_s:g} s (PRESET_JOB_TIMEOUT); stopping it")
         finally:
             if proc.poll() is None:      # timed out, or we are being interrupted: stop its whole group
-                os.killpg(proc.pid, 15)
+                stop_group(proc.pid, reap=proc)
             rc = proc.wait()
+            # a process that left the group may still hold the pipe open: do not wait on it forever
+            reader.join(timeout=5)
     status = status or ("SUCCEEDED" if rc == 0 else "FAILED")
     tail = "\n".join(log_path.read_text().splitlines()[-40:])
-    return Outcome(job.submission_id, status, rc, time.time() - t0, "", str(log_path), tail)
+    return Outcome(job.submission_id, status, TIMEOUT if status == "TIMEOUT" else rc, time.time() - t0, "",
+                   str(log_path), tail)
+
+
+def _copy_output(stream, log, progress) -> None:
+    try:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            progress("  | " + line.rstrip())
+    except ValueError:          # the log was closed under us: the job outlived its reader (see run_local)
+        pass
+
+
+def group_alive(pgid: int, run_dir: Path | str | None = None) -> bool:
+    """Whether process group `pgid` still has a process, and (given `run_dir`) is a job of that run.
+
+    A recorded pgid may be reused once its group is gone: if its leader's pid now belongs to a process
+    without V4_RUN_DIR=run_dir in its environment, it is someone else's. (While any process of a group lives,
+    Linux does not hand out its id again, so a group without its leader is still ours.)"""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False             # another user's: not a job we started
+    if run_dir is None:
+        return True
+    try:
+        environ = Path(f"/proc/{pgid}/environ").read_bytes().split(b"\0")
+    except FileNotFoundError:
+        return True              # the leader is gone, the rest of its group is not
+    except OSError:
+        return True              # no /proc (not Linux): trust the record
+    marks = [e[len(b"V4_RUN_DIR="):].decode(errors="replace") for e in environ if e.startswith(b"V4_RUN_DIR=")]
+    return any(Path(m) == Path(run_dir) for m in marks)          # Path: `out//id` and `out/id` are one run
+
+
+def stop_group(pgid: int, grace_s: float | None = None, reap=None) -> bool:
+    """SIGTERM to process group `pgid`, SIGKILL to whatever is left after `grace_s` (STOP_GRACE_S). False if it
+    was gone.
+
+    reap: the leader's Popen when this process is its parent, polled so that a dead leader (a zombie until
+    reaped) does not keep the group looking alive for the whole grace period."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + (STOP_GRACE_S if grace_s is None else grace_s)
+    while time.monotonic() < deadline:
+        if reap is not None:
+            reap.poll()
+        if not group_alive(pgid):
+            return True
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True

@@ -108,6 +108,7 @@ class Step:
     outputs: list[str] = field(default_factory=list)
     items: list[str] = field(default_factory=list)              # check or gate names
     module: str = ""                                            # a job step's program (jobs.<name>)
+    available: bool = True                                      # its program exists in this checkout
 
 
 @dataclass
@@ -124,6 +125,17 @@ class Plan:
 
     def render(self) -> str:
         return TEMPLATES.get_template("plan.txt.j2").render(plan=self)
+
+    def unavailable(self) -> list[str]:
+        """`name (module)` of each job step whose program does not exist yet (RL training, for one)."""
+        return [f"{s.name} ({s.module})" for s in self.steps if s.kind == "job" and not s.available]
+
+
+def program_exists(root: Path | str, module: str) -> bool:
+    """Whether `module` is in the checkout that becomes every job's working_dir. A file test, not an import:
+    planning must not import the jobs (nor torch through them)."""
+    base = Path(root, *module.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
 def job_env(cfg: Config, run_dir: str) -> dict[str, str]:
@@ -206,13 +218,19 @@ def job_step(cfg: Config, name: str, run_id: str, run_dir: str, excludes: list[s
             auth_env=auth_env(cfg, cfg.nodes[0]))   # the head's token file: the client runs there
     resolve_io = lambda keys: [cfg[k] if k in cfg else f"{run_dir}/{k}" for k in keys]
     return Step(name, "job", d.doc, job=job, inputs=resolve_io(d.inputs), outputs=resolve_io(d.outputs),
-                module=d.module)
+                module=d.module, available=program_exists(cfg.selection.root, d.module))
 
 
 def build(cfg: Config, run_id: str | None = None) -> Plan:
-    from launcher.registry import new_run_id
+    """The plan of a new run, or (`run_id`, already resolved by registry.resolve_resume) of the run to resume."""
+    from launcher.registry import RUN_ID_RE, new_run_id
 
     run_id = run_id or new_run_id(cfg["PRESET_RUN_ID_PREFIX"])
+    if not RUN_ID_RE.match(run_id):
+        # it names the run directory and every job id, and lands in shell commands: never a raw --resume string
+        from launcher.errors import ConfigError
+        raise ConfigError(f"run id {run_id!r} is not PREFIX-YYYYmmdd-HHMMSS-xxxx",
+                          fix="`v4 runs ls` lists the runs; --resume takes one's id, a unique prefix, or `latest`")
     run_dir = f"{cfg['V4_OUT']}/{run_id}"
     steps = [preflight_step(cfg)]
     excludes = working_dir_excludes(cfg.selection.root)      # one git call a plan, shared by its jobs

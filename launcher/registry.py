@@ -114,9 +114,16 @@ class Run:
 
     def finish(self, status: str, error: str | None = None, code: int | None = None) -> dict:
         assert status in FINAL, status
-        if self.info().get("status") == "stopped" and status == "failed":
-            return self.info()       # stopped on purpose (`v4 runs stop`): the job's failure follows from it
+        if self.stopped:
+            # stopped on purpose (`v4 runs stop`): a job failing because of it, or a launcher finishing a step
+            # after it, must not turn the run back into failed or passed. Only --resume reopens it (open_run).
+            return self.info()
         return self.update(status=status, finished_at=time.time(), error=error, exit_code=code)
+
+    @property
+    def stopped(self) -> bool:
+        """Re-read from disk: `v4 runs stop` runs in another process."""
+        return self.info().get("status") == "stopped"
 
     # steps
 
@@ -191,7 +198,7 @@ def create_run(cfg, plan=None, argv: list[str] | None = None, run_id: str | None
         "stage": cfg.get("PRESET_STAGE", ""), "launcher": {"host": socket.gethostname(), "pid": os.getpid()}})
     run.write_json("manifest.json", {
         "schema": 1, "run_id": run_id, "created_at": time.time(),
-        "command_line": list(argv) if argv is not None else None,
+        "command_line": redact_argv(argv) if argv is not None else None,
         "config": cfg.to_json(),
         "code": code_version(Path(sel.root)),
         "launcher_python": {"executable": sys.executable, "version": sys.version.split()[0]},
@@ -203,11 +210,48 @@ def create_run(cfg, plan=None, argv: list[str] | None = None, run_id: str | None
     return run
 
 
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line as it may be saved: the value of every secret `--set KEY=VALUE` replaced by ***."""
+    from launcher.config.resolve import redact_set
+
+    out, after_set = [], False
+    for arg in argv:
+        if after_set:
+            arg = redact_set(arg)
+        elif arg.startswith("--set="):
+            arg = "--set=" + redact_set(arg[len("--set="):])
+        out.append(arg)
+        after_set = arg == "--set"
+    return out
+
+
+# A resumed run is judged afresh: an earlier attempt's verdict must not show as this attempt's.
+STALE_ON_RESUME = ("gates.json", "summary.json")
+
+
 def open_run(cfg, plan=None) -> Run:
     """An existing run, for --resume: the plan's run id must already have a directory."""
     run = find_run(cfg, plan.run_id if plan is not None else "")
-    run.update(status="running", resumed_at=time.time(), launcher={"host": socket.gethostname(), "pid": os.getpid()})
+    for name in STALE_ON_RESUME:
+        run.path(name).unlink(missing_ok=True)
+    run.update(status="running", resumed_at=time.time(), finished_at=None, error=None, exit_code=None,
+               launcher={"host": socket.gethostname(), "pid": os.getpid()})
     return run
+
+
+def resolve_resume(cfg, ref: str) -> str:
+    """The run id `--resume REF` means (an id, a unique prefix of one, or `latest`), before anything is planned:
+    the plan's run directory and job ids are built from it."""
+    try:
+        run = find_run(cfg, ref)
+    except ConfigError as e:
+        raise ConfigError(f"--resume {ref!r}: {e.message}",
+                          fix=f"`v4 runs ls` lists the runs under {out_dir(cfg)}; pass one's id "
+                              "(or a unique prefix of it, or `latest`)") from None
+    if not RUN_ID_RE.match(run.id):
+        raise ConfigError(f"--resume {ref!r}: {run.dir} is not a run directory of this tool "
+                          "(ids are PREFIX-YYYYmmdd-HHMMSS-xxxx)", fix="`v4 runs ls` lists the runs")
+    return run.id
 
 
 def find_run(cfg, ref: str) -> Run:

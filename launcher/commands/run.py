@@ -16,16 +16,24 @@ from launcher.cli_options import config_options, load_config
 @click.option("--skip-check", "skip_checks", multiple=True, metavar="NAME",
               help="run even if this preflight check fails (repeatable)")
 @click.option("--force", is_flag=True, help="start even if the previous stage has not passed for this config")
-@click.option("--resume", metavar="RUN_ID", help="continue a run that stopped: finished steps are skipped")
+@click.option("--resume", metavar="RUN", help="continue a run that stopped (its id, a unique prefix, or `latest`): "
+              "finished steps are skipped, a job it left running is followed")
 def run(selection, dry_run, as_json, skip_checks, force, resume):
     """Run a staged experiment: preflight, cluster up, pipeline steps as Ray jobs, gates."""
     from launcher import plan as planning
+    from launcher import registry
 
     cfg = load_config(selection)
-    plan = planning.build(cfg, run_id=resume)
+    # `latest` or a prefix names a run; the plan (run dir, job ids) needs its id, dry run or not
+    run_id = registry.resolve_resume(cfg, resume) if resume is not None else None
+    plan = planning.build(cfg, run_id=run_id)
     if dry_run:
-        click.echo(json.dumps(plan.to_json(), indent=2) if as_json else plan.render())
+        # the plan embeds values in scripts and environments: a secret (or a value that took one in) is masked there too
+        click.echo(cfg.redact_text(json.dumps(plan.to_json(), indent=2) if as_json else plan.render()))
+        # the plan is shown either way; what the run would refuse is said here too, with the same exit code
+        from launcher.pipeline import check_available
+        check_available(plan)
         return
     from launcher.pipeline import execute
 
-    execute(cfg, plan, skip_checks=skip_checks, force=force, resume=bool(resume), as_json=as_json)
+    execute(cfg, plan, skip_checks=skip_checks, force=force, resume=run_id is not None, as_json=as_json)

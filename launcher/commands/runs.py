@@ -107,18 +107,44 @@ def _follow(cfg, sid: str) -> None:
 @config_options()
 @click.argument("run_ref", metavar="RUN")
 def stop(selection, run_ref):
-    """Stop a run's running jobs on the cluster and mark the run stopped."""
-    from launcher import jobs, registry
+    """Stop a run's running jobs (Ray jobs, or a local job's process group) and mark the run stopped."""
+    from launcher import registry
     cfg = load_config(selection)
     run = registry.find_run(cfg, run_ref)
-    stopped = []
-    for s in run.steps():
-        if s["status"] == "running":
-            for sid in s.get("submission_ids") or [s.get("submission_id")]:
-                if sid and jobs.stop(cfg, sid):
-                    stopped.append(sid)
-            run.set_step(s["name"], "stopped")
+    running = [s for s in run.steps() if s["status"] == "running"]
+    _refuse_foreign_local(run, running)
+    # marked first: the launcher, seeing its job end, must read "stopped" and start nothing more
     if registry.effective_status(run.info()) in ("running", "interrupted"):
         run.finish("stopped", error="stopped by `v4 runs stop`", code=1)
+    stopped = []
+    for s in running:
+        stopped += _stop_local(run, s) if s.get("pgid") else _stop_ray(cfg, s)
+        run.set_step(s["name"], "stopped")
     click.echo(f"run {run.id}: stopped" + (f" (jobs: {', '.join(stopped)})" if stopped else " (no running job)"),
                err=True)
+
+
+def _refuse_foreign_local(run, running: list[dict]) -> None:
+    """A local job can be stopped only from the host it runs on: say so before marking anything."""
+    import socket
+
+    from launcher.errors import JobError
+    for s in running:
+        if s.get("pgid") and s.get("host") != socket.gethostname():
+            raise JobError(f"step {s['name']} of run {run.id} runs as process group {s['pgid']} on {s.get('host')}, "
+                           f"not on this host", fix=f"run `v4 runs stop {run.id}` on {s.get('host')}")
+
+
+def _stop_local(run, s: dict) -> list[str]:
+    """A V4_EXECUTOR=local job: its process group (no Ray involved)."""
+    from launcher.pipeline import STOP_GRACE_S, group_alive, stop_group
+    pgid = s["pgid"]
+    if not group_alive(pgid, run.dir):       # gone, or the id now belongs to someone else's process
+        return []
+    click.echo(f"step {s['name']}: SIGTERM to process group {pgid} (SIGKILL after {STOP_GRACE_S:g} s)", err=True)
+    return [f"{s.get('submission_id') or s['name']} (pgid {pgid})"] if stop_group(pgid) else []
+
+
+def _stop_ray(cfg, s: dict) -> list[str]:
+    from launcher import jobs
+    return [sid for sid in s.get("submission_ids") or [s.get("submission_id")] if sid and jobs.stop(cfg, sid)]

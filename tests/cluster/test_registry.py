@@ -82,3 +82,47 @@ def test_find_and_list(cfg):
     b.update(launcher={"host": os.uname().nodename, "pid": dead.pid})
     a.finish("passed")
     assert [(r["id"], r["status"]) for r in registry.list_runs(cfg)] == [(a.id, "passed"), (b.id, "interrupted")]
+
+
+def test_secret_sets_are_redacted_in_the_manifest(cfg):
+    argv = ["v4", "run", "--preset", "smoke", "--set", "V4_REDIS_PASSWORD=hunter2", "--set=V4_REDIS_PASSWORD=hunter3",
+            "--set", "PRESET_NUM_STEPS=3"]
+    run = registry.create_run(cfg, prefix="t", argv=argv)
+    assert run.read_json("manifest.json")["command_line"] == [
+        "v4", "run", "--preset", "smoke", "--set", "V4_REDIS_PASSWORD=***", "--set=V4_REDIS_PASSWORD=***",
+        "--set", "PRESET_NUM_STEPS=3"]
+    assert "hunter" not in run.path("manifest.json").read_text()
+
+
+def test_a_stopped_run_stays_stopped(cfg):
+    """`v4 runs stop` wins over a launcher that finishes its step afterwards; only --resume reopens the run."""
+    run = registry.create_run(cfg, prefix="t")
+    run.finish("stopped", error="stopped by `v4 runs stop`", code=1)
+    run.finish("passed")
+    assert run.info()["status"] == "stopped" and run.stopped
+    reopened = registry.open_run(cfg, type("P", (), {"run_id": run.id})())
+    assert reopened.info()["status"] == "running" and reopened.info()["error"] is None
+    reopened.finish("passed")
+    assert reopened.info()["status"] == "passed"
+
+
+def test_resume_drops_the_earlier_verdict(cfg):
+    """A resumed run that then fails must not show the gates and summary of an earlier attempt."""
+    run = registry.create_run(cfg, prefix="t")
+    run.write_json("gates.json", [{"name": "finite_loss", "passed": True, "detail": "old"}])
+    run.write_json("summary.json", {"status": "passed"})
+    run.finish("failed", error="train: job FAILED", code=1)
+    registry.open_run(cfg, type("P", (), {"run_id": run.id})())
+    assert not run.path("gates.json").exists() and not run.path("summary.json").exists()
+    assert run.info()["exit_code"] is None and run.info()["finished_at"] is None
+
+
+def test_resume_resolves_latest_and_prefixes_or_refuses(cfg):
+    a = registry.create_run(cfg, run_id="stageA-20260101-000000-0001")
+    b = registry.create_run(cfg, run_id="stageA-20260102-000000-0002")
+    assert registry.resolve_resume(cfg, "latest") == b.id
+    assert registry.resolve_resume(cfg, "stageA-20260101") == a.id
+    for ref in ("nonexist", "x; rm -rf /", "", "stageA"):
+        with pytest.raises(ConfigError) as e:
+            registry.resolve_resume(cfg, ref)
+        assert e.value.code == 2 and "v4 runs ls" in e.value.fix

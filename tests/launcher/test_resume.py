@@ -1,0 +1,323 @@
+"""Resuming, stopping and timing out a run, without Ray: `--resume` resolution, what a resumed step does with the
+job an earlier attempt left running, `v4 runs stop` and SIGTERM on the local executor, the local deadline, and
+the commands a run prints. Local jobs here are tiny shell/python commands put in place of the real entrypoints."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher import pipeline, registry
+from launcher import plan as planning
+from launcher.cli import main
+from launcher.config import Selection, resolve
+from launcher.errors import ConfigError, JobError
+from launcher.jobs import Outcome
+from launcher.plan import JobSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+
+def config(work, *sets, executor="local", env_files=()):
+    return resolve(Selection(preset="smoke", hw="cpu", env_files=tuple(env_files),
+                             sets=(f"V4_WORK={work}", f"V4_EXECUTOR={executor}", *sets)))
+
+
+def job_plan(cfg, *entrypoints):
+    """The plan of `cfg` cut down to len(entrypoints) job steps running these commands instead (no preflight, no
+    gates: what is tested is the step loop)."""
+    names = list(planning.PIPELINE)[:len(entrypoints)]
+    cfg.values["PRESET_STEPS"] = names
+    plan = planning.build(cfg)
+    plan.steps = [s for s in plan.steps if s.kind == "job"]
+    for step, entry in zip(plan.steps, entrypoints):
+        step.job.entrypoint = entry
+    return plan
+
+
+def v4(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def wait_for(pred, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (v := pred()):
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def group_gone(pgid) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+
+
+def sleeper(run_dir, ignore_term=False):
+    """A process group (as a local job is) whose environment says which run it belongs to, reaped by a thread
+    as the launcher would reap it."""
+    code = ("import signal, time\n" + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
+            + "print('ready', flush=True)\ntime.sleep(60)\n")
+    p = subprocess.Popen([PY, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "V4_RUN_DIR": str(run_dir)})
+    assert p.stdout.readline().strip() == "ready"
+    threading.Thread(target=p.wait, daemon=True).start()
+    return p
+
+
+# --- 1. --resume names a run: resolved before planning, refused when it names none -------------------------------
+
+def test_resume_latest_or_a_prefix_plans_that_run(capsys, tmp_path):
+    cfg = config(tmp_path)
+    old = registry.create_run(cfg, run_id="stageA-20260101-000000-0001")
+    new = registry.create_run(cfg, run_id="stageA-20260102-000000-0002")
+    for ref, want in (("latest", new.id), ("stageA-20260101", old.id), (new.id, new.id)):
+        code, out, err = v4(capsys, "run", "--preset", "smoke", "--hw", "cpu", "--set", f"V4_WORK={tmp_path}",
+                            "--resume", ref, "--dry-run", "--json")
+        assert code == 0, err
+        plan = json.loads(out)
+        assert plan["run_id"] == want and plan["run_dir"] == f"{tmp_path}/runs/{want}"
+        train = next(s for s in plan["steps"] if s["name"] == "train")
+        assert train["job"]["submission_id"] == f"{want}-train"
+
+
+@pytest.mark.parametrize("ref", ["nonexist", "x; rm -rf /", "latest"])
+def test_resume_of_no_run_is_a_usage_error_even_on_dry_run(capsys, tmp_path, ref):
+    code, out, err = v4(capsys, "run", "--preset", "smoke", "--hw", "cpu", "--set", f"V4_WORK={tmp_path}",
+                        "--resume", ref, "--dry-run")
+    assert code == 2 and out == ""
+    assert f"--resume {ref!r}: no run" in err and "fix: `v4 runs ls`" in err
+
+
+def test_plan_refuses_a_run_id_that_is_not_one(tmp_path):
+    with pytest.raises(ConfigError, match="is not PREFIX-YYYYmmdd-HHMMSS-xxxx"):
+        planning.build(config(tmp_path), run_id="latest")
+
+
+# --- 2, 9. the printed commands: every selection flag, secrets redacted -----------------------------------------
+
+def test_rerun_command_keeps_every_flag_and_hides_secrets(tmp_path):
+    env = tmp_path / "my.env"
+    env.write_text("PRESET_NUM_STEPS=3\n")
+    cfg = config(tmp_path, "V4_REDIS_PASSWORD=hunter2", env_files=[str(env)])
+    cmd = pipeline.rerun_command(cfg, "--resume stageA-20260101-000000-0001", skip_checks=("ports", "disk"),
+                                 force=True)
+    assert cmd == (f"v4 run --preset smoke --cluster local --hw cpu --env-file {env} --set V4_WORK={tmp_path} "
+                   "--set V4_EXECUTOR=local --set 'V4_REDIS_PASSWORD=***' --skip-check ports --skip-check disk "
+                   "--force --resume stageA-20260101-000000-0001")
+    assert pipeline.rerun_command(cfg, preset="dryrun").startswith("v4 run --preset dryrun --cluster local")
+
+
+# --- 3. a resumed step and the job an earlier attempt left running ----------------------------------------------
+
+RUNNING = {"status": "running", "submission_id": "r-train"}
+
+
+@pytest.mark.parametrize("step, state, can_follow, action", [
+    (RUNNING, "RUNNING", True, "follow"),
+    (RUNNING, "PENDING", True, "follow"),
+    (RUNNING, "SUCCEEDED", True, "collect"),
+    (RUNNING, "FAILED", True, "new"),
+    (RUNNING, "STOPPED", True, "new"),
+    (RUNNING, None, True, "new"),                                  # Ray never saw it (killed before submit)
+    (RUNNING, "RUNNING", False, "refuse"),                         # a local group this launcher cannot follow
+    (RUNNING, None, False, "new"),
+    ({"status": "failed", "submission_id": "r-train"}, "RUNNING", True, "new"),
+    ({"status": "running"}, "RUNNING", True, "new"),
+    ({}, None, True, "new"),
+])
+def test_resume_action(step, state, can_follow, action):
+    assert pipeline.resume_action(step, state, can_follow) == action
+
+
+class FakeRay:
+    """The three calls of launcher.jobs a job step makes, answering from `states` (Ray's view of each job id)."""
+
+    def __init__(self, states):
+        self.states, self.calls = states, []
+
+    def job_status(self, cfg, sid):
+        self.calls.append(("status", sid))
+        return self.states.get(sid)
+
+    def wait(self, cfg, sid, timeout_s, log_path=None, progress=None, **kw):
+        self.calls.append(("wait", sid))
+        return Outcome(sid, "SUCCEEDED", 0, 1.0, "", str(log_path), "")
+
+    def submit_and_wait(self, cfg, job, log_path=None, progress=None):
+        self.calls.append(("submit", job.submission_id))
+        return Outcome(job.submission_id, "SUCCEEDED", 0, 1.0, "", str(log_path), "")
+
+
+@pytest.mark.parametrize("state, calls", [
+    ("RUNNING", [("status", "{sid}"), ("wait", "{sid}")]),        # followed: no second job on the same checkpoints
+    ("SUCCEEDED", [("status", "{sid}"), ("wait", "{sid}")]),      # finished unwatched: its result is taken
+    ("FAILED", [("status", "{sid}"), ("submit", "{sid}-r1")]),
+    (None, [("status", "{sid}"), ("submit", "{sid}-r1")]),
+])
+def test_resumed_ray_step_follows_the_job_it_left_running(tmp_path, state, calls):
+    cfg = config(tmp_path, executor="ray")
+    plan = planning.build(cfg)
+    run = registry.create_run(cfg, plan)
+    step = next(s for s in plan.steps if s.name == "train")
+    sid = step.job.submission_id
+    run.set_step("train", "running", submission_id=sid)             # then Ctrl-C: the Ray job kept running
+    ray = FakeRay({sid: state})
+    pipeline._job(cfg, run, step, ray)
+    assert ray.calls == [(c, s.format(sid=sid)) for c, s in calls]
+    assert run.step_status("train")["status"] == "done"
+
+
+def test_resumed_local_step_refuses_while_its_earlier_job_lives(tmp_path):
+    cfg = config(tmp_path)
+    plan = job_plan(cfg, "true")
+    run = registry.create_run(cfg, plan)
+    p = sleeper(run.dir)
+    try:
+        run.set_step("weights", "running", submission_id=plan.steps[0].job.submission_id, pgid=p.pid,
+                     host=socket.gethostname())
+        with pytest.raises(JobError, match="still running") as e:
+            pipeline._job(cfg, run, plan.steps[0], None)
+        assert e.value.fix.startswith(f"v4 runs stop {run.id} --cluster local --hw cpu --set V4_WORK={tmp_path}")
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+    wait_for(lambda: group_gone(p.pid), what="the sleeper to end")
+    pipeline._job(cfg, run, plan.steps[0], None)                   # gone: a new attempt, under a new id
+    s = run.step_status("weights")
+    assert s["status"] == "done" and s["submission_id"].endswith("-r1") and s["pgid"] != p.pid
+
+
+# --- 4. stopping ------------------------------------------------------------------------------------------------
+
+MARK_STOPPED = (f"{PY} -c \"import os; from pathlib import Path; from launcher.registry import Run; "
+                f"d = Path(os.environ['V4_RUN_DIR']); Run(d.name, d).finish('stopped', error='by the test')\"")
+
+
+def test_no_step_starts_after_the_run_was_stopped(tmp_path, capsys):
+    """`v4 runs stop` between two steps: the launcher re-reads the run before each step, and keeps it stopped."""
+    cfg = config(tmp_path, "V4_REDIS_PASSWORD=hunter2")
+    marker = tmp_path / "second-step-ran"
+    plan = job_plan(cfg, MARK_STOPPED, f"touch {marker}")
+    with pytest.raises(JobError, match="was stopped"):
+        pipeline.execute(cfg, plan, skip_checks=("ports",), force=True)
+    run = registry.find_run(cfg, plan.run_id)
+    assert not marker.exists() and run.info()["status"] == "stopped"
+    assert run.step_status("weights")["status"] == "done" and run.step_status("prepare_data") == {}
+    err = capsys.readouterr().err
+    assert f"run {plan.run_id} STOPPED" in err
+    # the resume line keeps --skip-check and --force, and hides the secret
+    assert (f"resume: v4 run --preset smoke --cluster local --hw cpu --set V4_WORK={tmp_path} --set V4_EXECUTOR=local "
+            f"--set 'V4_REDIS_PASSWORD=***' --skip-check ports --force --resume {plan.run_id}") in err
+    assert (f"logs:   v4 runs logs {plan.run_id} --cluster local --hw cpu --set V4_WORK={tmp_path} "
+            "--set V4_EXECUTOR=local --set 'V4_REDIS_PASSWORD=***'") in err
+    assert "hunter2" not in err and "hunter2" not in run.path("manifest.json").read_text()
+
+
+@pytest.mark.parametrize("ignore_term", [False, True])
+def test_runs_stop_ends_a_local_job_without_ray(capsys, tmp_path, monkeypatch, ignore_term):
+    monkeypatch.setattr(pipeline, "STOP_GRACE_S", 0.5)
+    cfg = config(tmp_path)
+    run = registry.create_run(cfg, prefix="stageA")
+    p = sleeper(run.dir, ignore_term=ignore_term)
+    try:
+        run.set_step("train", "running", submission_id=f"{run.id}-train", pgid=p.pid, host=socket.gethostname())
+        code, _, err = v4(capsys, "runs", "stop", run.id, "--hw", "cpu", "--set", f"V4_WORK={tmp_path}")
+        assert code == 0, err
+        assert "cluster up" not in err and f"(pgid {p.pid})" in err
+        wait_for(lambda: p.returncode is not None, 5, "the job to end")
+        assert p.returncode == (-signal.SIGKILL if ignore_term else -signal.SIGTERM)
+        assert run.info()["status"] == "stopped" and run.step_status("train")["status"] == "stopped"
+    finally:
+        if p.returncode is None:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_runs_stop_leaves_a_reused_process_group_alone(capsys, tmp_path):
+    """A pgid recorded long ago may now be someone else's: not a process of this run, not signalled."""
+    cfg = config(tmp_path)
+    run = registry.create_run(cfg, prefix="stageA")
+    p = sleeper(tmp_path / "another-run")
+    try:
+        run.set_step("train", "running", submission_id=f"{run.id}-train", pgid=p.pid, host=socket.gethostname())
+        code, _, err = v4(capsys, "runs", "stop", run.id, "--hw", "cpu", "--set", f"V4_WORK={tmp_path}")
+        assert code == 0 and "(no running job)" in err and p.poll() is None
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+
+
+LAUNCHER = """
+import sys
+from launcher import pipeline, plan as planning
+from launcher.config import Selection, resolve
+cfg = resolve(Selection(preset="smoke", hw="cpu", sets=("V4_WORK={work}", "V4_EXECUTOR=local",
+                                                        "PRESET_STEPS=weights")))
+plan = planning.build(cfg)
+plan.steps = [s for s in plan.steps if s.kind == "job"]
+plan.steps[0].job.entrypoint = {entry!r}
+print(plan.run_id, flush=True)
+pipeline.execute(cfg, plan)
+"""
+
+
+def test_sigterm_to_the_launcher_stops_the_local_job(tmp_path):
+    entry = f"{PY} -c \"import time; print('started', flush=True); time.sleep(60)\""
+    proc = subprocess.Popen([PY, "-c", textwrap.dedent(LAUNCHER.format(work=tmp_path, entry=entry))], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pgid = None
+    try:
+        run_id = proc.stdout.readline().strip()
+        status = tmp_path / "runs" / run_id / "steps/weights/status.json"
+        log = tmp_path / "runs" / run_id / "steps/weights/log"
+        pgid = wait_for(lambda: status.is_file() and json.loads(status.read_text()).get("pgid"), what="the pgid")
+        wait_for(lambda: log.is_file() and "started" in log.read_text(), what="the job to start")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        wait_for(lambda: group_gone(pgid), 5, "the job's process group to end")
+        info = json.loads((tmp_path / "runs" / run_id / "run.json").read_text())
+        assert info["status"] == "failed" and info["error"] == "interrupted: SIGTERM"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pgid and not group_gone(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+# --- 5. the local executor's deadline ---------------------------------------------------------------------------
+
+def local_job(cmd, timeout_s):
+    return JobSpec(submission_id="t-job", entrypoint=cmd, runtime_env={"working_dir": str(ROOT), "env_vars": {}},
+                   entrypoint_num_cpus=1, entrypoint_num_gpus=0, timeout_s=timeout_s, submit="")
+
+
+def test_a_silent_job_is_timed_out(tmp_path):
+    t0 = time.monotonic()
+    out = pipeline.run_local(None, local_job("sleep 20", 1.5), tmp_path / "log", progress=lambda m: None)
+    assert out.status == "TIMEOUT" and out.exit_code == 124 and time.monotonic() - t0 < 8
+
+
+def test_the_deadline_is_the_jobs_runtime_not_its_output(tmp_path):
+    quiet = lambda m: None  # noqa: E731
+    out = pipeline.run_local(None, local_job("sleep 1; echo late", 3), tmp_path / "a", progress=quiet)
+    assert out.ok and out.exit_code == 0 and out.log_tail == "late"
+    t0 = time.monotonic()
+    out = pipeline.run_local(None, local_job("echo early; sleep 5; echo late", 1), tmp_path / "b", progress=quiet)
+    assert out.status == "TIMEOUT" and time.monotonic() - t0 < 4
+    assert out.log_tail == "early"
+    out = pipeline.run_local(None, local_job("echo bad; exit 3", 5), tmp_path / "c", progress=quiet)
+    assert out.status == "FAILED" and out.exit_code == 3 and out.log_tail == "bad"
