@@ -104,6 +104,15 @@ def _by(results, status="FAIL"):
     return sorted((r.name, r.node) for r in results if r.status == status)
 
 
+def _checks_with_sshd(c, h, cfg, **sshd):
+    """Every check, while host `h`'s sshd runs with `sshd` (restart_sshd's options); its sshd restored after."""
+    c.restart_sshd(h, **sshd)
+    try:
+        return preflight.run_checks(cfg)
+    finally:
+        c.restart_sshd(h)
+
+
 def test_clean_cluster_passes(netns_cluster, netns_cfg):
     rs = preflight.run_checks(netns_cfg)
     assert _by(rs) == [], preflight.render_table(rs)
@@ -131,11 +140,7 @@ def _fake_dists(root, **versions):
 def test_other_package_versions_on_one_host(netns_cluster, netns_cfg, tmp_path):
     c, h = netns_cluster, netns_cluster.hosts[2]
     _fake_dists(tmp_path / "site", ray="2.59.0", tilelang="0.1.10")
-    c.restart_sshd(h, extra_config=f"SetEnv PYTHONPATH={tmp_path / 'site'}")
-    try:
-        rs = preflight.run_checks(netns_cfg)
-    finally:
-        c.restart_sshd(h)
+    rs = _checks_with_sshd(c, h, netns_cfg, extra_config=f"SetEnv PYTHONPATH={tmp_path / 'site'}")
     assert _by(rs) == [("known_bad", h.ip), ("versions", h.ip)], preflight.render_table(rs)
     v = next(r for r in rs if r.name == "versions" and r.node == h.ip)
     assert "ray 2.59.0 (others: 2.60.0)" in v.detail and "tilelang 0.1.10" in v.detail
@@ -148,11 +153,7 @@ def test_work_not_shared_on_one_host(netns_cluster, netns_cfg, tmp_path):
     c, h = netns_cluster, netns_cluster.hosts[1]
     private = tmp_path / "private_work"
     private.mkdir()
-    c.restart_sshd(h, private_mounts=[(str(private), str(netns_cfg["V4_WORK"]))])
-    try:
-        rs = preflight.run_checks(netns_cfg)
-    finally:
-        c.restart_sshd(h)
+    rs = _checks_with_sshd(c, h, netns_cfg, private_mounts=[(str(private), str(netns_cfg["V4_WORK"]))])
     assert _by(rs) == [("shared_work", h.ip)], preflight.render_table(rs)
     r = next(r for r in rs if r.name == "shared_work" and r.node == h.ip)
     assert "does not show the file the head wrote" in r.detail and h.ip in r.fix
@@ -230,11 +231,7 @@ def test_a_login_that_runs_nothing_is_an_ssh_failure(netns_cluster, netns_cfg):
     """SSH connects, but the account's shell runs no command (nologin): the `true` probe fails, and that is what the
     ssh row says, with the shell's own words; not a python row telling to install the environment."""
     c, h = netns_cluster, netns_cluster.hosts[2]
-    c.restart_sshd(h, extra_config="ForceCommand /usr/sbin/nologin")
-    try:
-        rs = preflight.run_checks(netns_cfg)
-    finally:
-        c.restart_sshd(h)
+    rs = _checks_with_sshd(c, h, netns_cfg, extra_config="ForceCommand /usr/sbin/nologin")
     assert _by(rs) == [("ssh", h.ip)], preflight.render_table(rs)
     r = next(r for r in rs if r.name == "ssh" and r.node == h.ip)
     assert "`true` over SSH exited with rc 1" in r.detail and "not available" in r.detail
