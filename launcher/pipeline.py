@@ -80,7 +80,7 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
     check_available(plan)
     check_stage_order(cfg, force, skip_checks)
     _check_skip_names(skip_checks)
-    run = registry.open_run(cfg, plan) if resume else registry.create_run(cfg, plan, argv=sys.argv)
+    run = registry.open_run(cfg, plan, force) if resume else registry.create_run(cfg, plan, argv=sys.argv)
     # The single record of what this run was asked to do; every job reads it.
     run.write_json("config.json", {"values": cfg.job_values()}, private=True)
     say(f"run {plan.run_id}: {run.dir}")

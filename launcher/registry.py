@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.fileio import atomic_write
+from launcher.config.schema import KEYS
 from launcher.errors import ConfigError
 
 RUN_ID_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*?)-(?P<ts>\d{8}-\d{6})-(?P<rand>[0-9a-f]{4})$")
@@ -229,9 +230,40 @@ def redact_argv(argv: list[str]) -> list[str]:
 STALE_ON_RESUME = ("gates.json", "summary.json")
 
 
-def open_run(cfg, plan=None) -> Run:
-    """An existing run, for --resume: the plan's run id must already have a directory."""
+# What a run computes: changed on --resume, the steps it finished (data, checkpoints, metrics) would not be the ones
+# the rest of it builds on. Every preset key but the operational ones, and what sets the world and the data.
+RESUME_SAME = tuple(k.name for k in KEYS if k.layer == "preset"
+                    and k.name not in ("PRESET_JOB_TIMEOUT", "PRESET_STRICT_PREFLIGHT", "PRESET_RUN_ID_PREFIX")) + (
+    "V4_NUM_NODES", "V4_NUM_GPUS_PER_NODE", "HW_DEVICE", "V4_SFT_DATA")
+
+
+def resume_conflicts(run: "Run", cfg) -> list[str]:
+    """`KEY: was -> now` for each RESUME_SAME key on which `cfg` differs from the config the run was made with."""
+    was = (run.read_json("config.json") or {}).get("values") or {}
+    now = json.loads(json.dumps(cfg.job_values(), default=str))
+    return [f"{k}: {was[k]!r} -> {now.get(k)!r}" for k in RESUME_SAME if k in was and was[k] != now.get(k)]
+
+
+def open_run(cfg, plan=None, force: bool = False) -> Run:
+    """An existing run, for --resume: the plan's run id must already have a directory. Refused while another
+    launcher on this host still drives it, and (unless `force`) when the configuration would change what it
+    computes."""
     run = find_run(cfg, plan.run_id if plan is not None else "")
+    info = run.info()
+    la = info.get("launcher") or {}
+    if (info.get("status") == "running" and la.get("host") == socket.gethostname() and la.get("pid") != os.getpid()
+            and la.get("pid") and _pid_alive(la["pid"])):
+        raise ConfigError(f"run {run.id} is still driven by launcher pid {la['pid']} on this host: a second one would "
+                          "run its steps twice", fix=f"wait for it, or `v4 runs stop {run.id}` first")
+    conflicts = resume_conflicts(run, cfg)
+    if conflicts and not force:
+        raise ConfigError(f"--resume {run.id} with another configuration than it was made with: "
+                          + "; ".join(conflicts[:6]) + ("; ..." if len(conflicts) > 6 else ""),
+                          fix="resume with the run's own --preset/--env-file/--set (its manifest.json has the command "
+                              "line), start a new run for the new values, or pass --force to continue it with them")
+    if conflicts:
+        print(f"warning: --force: run {run.id} continues with changed settings: {'; '.join(conflicts)}",
+              file=sys.stderr)
     for name in STALE_ON_RESUME:
         run.path(name).unlink(missing_ok=True)
     run.update(status="running", resumed_at=time.time(), finished_at=None, error=None, exit_code=None,

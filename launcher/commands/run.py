@@ -15,7 +15,8 @@ from launcher.cli_options import config_options, load_config
 @click.option("--json", "as_json", is_flag=True, help="print the plan (or the run summary) as JSON on stdout")
 @click.option("--skip-check", "skip_checks", multiple=True, metavar="NAME",
               help="run even if this preflight check fails (repeatable)")
-@click.option("--force", is_flag=True, help="start even if the previous stage has not passed for this config")
+@click.option("--force", is_flag=True, help="start even if the previous stage has not passed for this config; with "
+              "--resume, continue a run with settings that change what it computes")
 @click.option("--resume", metavar="RUN", help="continue a run that stopped (its id, a unique prefix, or `latest`): "
               "finished steps are skipped, a job it left running is followed")
 def run(selection, dry_run, as_json, skip_checks, force, resume):

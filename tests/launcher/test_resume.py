@@ -203,6 +203,42 @@ def test_resumed_local_step_refuses_while_its_earlier_job_lives(tmp_path):
     assert s["status"] == "done" and s["submission_id"].endswith("-r1") and s["pgid"] != p.pid
 
 
+
+def test_resume_with_settings_that_change_what_the_run_computes_is_refused(tmp_path, capsys):
+    cfg = config(tmp_path)
+    plan = job_plan(cfg, "true")
+    run = registry.create_run(cfg, plan)
+    run.write_json("config.json", {"values": cfg.job_values()}, private=True)     # as execute() writes it
+
+    def again(*sets):                                  # the same selection (job_plan cut its steps) plus `sets`
+        c = config(tmp_path, *sets)
+        c.values["PRESET_STEPS"] = cfg.values["PRESET_STEPS"]
+        return c
+    registry.open_run(again("PRESET_JOB_TIMEOUT=99"), plan)                       # operational: no conflict
+    other = again("PRESET_NUM_STEPS=500", "PRESET_SEQ_LEN=64")
+    with pytest.raises(ConfigError, match="another configuration") as e:
+        registry.open_run(other, plan)
+    assert "PRESET_NUM_STEPS: 6 -> 500" in e.value.message and "PRESET_SEQ_LEN" in e.value.message
+    assert "--force" in e.value.fix
+    registry.open_run(other, plan, force=True)                                   # said, then allowed
+    assert "continues with changed settings: PRESET_NUM_STEPS" in capsys.readouterr().err
+
+
+def test_resume_is_refused_while_another_launcher_drives_the_run(tmp_path):
+    cfg = config(tmp_path)
+    plan = job_plan(cfg, "true")
+    run = registry.create_run(cfg, plan)
+    p = sleeper(run.dir)
+    try:
+        run.update(launcher={"host": socket.gethostname(), "pid": p.pid})
+        with pytest.raises(ConfigError, match=f"still driven by launcher pid {p.pid}"):
+            registry.open_run(cfg, plan)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+    wait_for(lambda: group_gone(p.pid), what="the sleeper to end")
+    assert registry.open_run(cfg, plan).info()["launcher"]["pid"] == os.getpid()
+
+
 # --- 4. stopping ------------------------------------------------------------------------------------------------
 
 MARK_STOPPED = (f"{PY} -c \"import os; from pathlib import Path; from launcher.registry import Run; "
