@@ -160,6 +160,19 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def left_out(cfg) -> list[str]:
+    """The steps and gates the preset file names that this run's configuration drops (a cut-down run, e.g.
+    `--set PRESET_GATES=finite_loss`): such a run proves less than the stage asks, so it is not a pass of it."""
+    out = []
+    for key in ("PRESET_STEPS", "PRESET_GATES"):
+        hist = cfg.history.get(key, [])
+        own = [i for i, a in enumerate(hist) if a.where.startswith("presets/")]
+        if own:
+            wanted = cfg.resolved.get((key, own[-1]), "").split()
+            out += [f"{key[7:-1].lower()} {x}" for x in wanted if x not in cfg[key]]
+    return out
+
+
 def record_pass(cfg, stage: str, run_id: str, results: list[GateResult]) -> None:
     p = _stages_file(cfg)
     with _locked(p):

@@ -306,8 +306,13 @@ def _gates(cfg, run, plan: Plan) -> None:
     if failed:
         raise GateError("gate(s) failed: " + ", ".join(f"{r.name} ({r.detail})" for r in failed))
     if cfg["PRESET_STAGE"] and results:
-        # a stage with no gates evaluated proves nothing and unlocks nothing
-        gating.record_pass(cfg, cfg["PRESET_STAGE"], plan.run_id, results)
+        # a stage with no gates evaluated proves nothing and unlocks nothing; nor does a cut-down run of it
+        dropped = gating.left_out(cfg)
+        if dropped:
+            say(f"[gate] not recorded as a pass of stage {cfg['PRESET_STAGE']}: this run left out the preset's "
+                + ", ".join(dropped))
+        else:
+            gating.record_pass(cfg, cfg["PRESET_STAGE"], plan.run_id, results)
 
 
 NEXT_STAGE = {"smoke": "dryrun", "dryrun": "full"}

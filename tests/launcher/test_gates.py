@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from launcher.config import Selection, resolve
-from launcher.gates import evaluate, passed_stages, record_pass
+from launcher.gates import evaluate, left_out, passed_stages, record_pass
 
 
 def write_run(tmp_path, losses, grad=1.0, reload=None, step_time=1.0, peak=1.0):
@@ -131,3 +131,23 @@ def test_concurrent_stage_passes_are_all_kept(tmp_path, monkeypatch):
         t.join()
     assert sorted(passed_stages(c)) == stages
     assert not [p.name for p in (tmp_path / "runs").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_cut_down_run_of_a_stage_is_not_a_pass_of_it(tmp_path):
+    """All its gates pass, but it left out steps and gates the preset has: the next stage stays locked."""
+    from launcher import pipeline
+    from launcher.registry import Run
+
+    run = Run("stageA-20261130-000000-abcd", write_run(tmp_path, [5.0, 4.0, 3.0]))
+    plan = type("P", (), {"run_id": run.id})()
+    cut = cfg(tmp_path, PRESET_GATES="finite_loss", PRESET_STEPS="weights train")
+    assert left_out(cut) == ["step prepare_data", "step verify_template", "step dequantize", "step convert",
+                             "gate loss_decreasing", "gate reload_equal"]
+    pipeline._gates(cut, run, plan)
+    assert passed_stages(cut) == {}
+    full = cfg(tmp_path)
+    assert left_out(full) == [] and left_out(cfg(tmp_path, PRESET_GATES="finite_loss loss_decreasing reload_equal "
+                                                              "peak_memory")) == []
+    (run.dir / "steps/train/reload_check.json").write_text(json.dumps({"loss_continued": 2.5, "loss_reloaded": 2.5}))
+    pipeline._gates(full, run, plan)
+    assert passed_stages(full)["smoke"]["run_id"] == run.id
