@@ -126,6 +126,23 @@ def mark_done(artifact: Path, inputs: dict | None = None, **info) -> None:
                                                       indent=2))
 
 
+def foreign_sft_data(ctx: "RunContext") -> str | None:
+    """Why V4_SFT_DATA is not this run's data, or None. It is one path for whatever PRESET_DATA a run has (a
+    shared cache): when another run prepared its own source into it since, training on it would silently use
+    that run's data."""
+    data, source = ctx.paths.sft_data, ctx.paths.data_source
+    mark = sentinel_path(data)
+    if not mark.is_file():
+        return None                      # data put there by hand, not by prepare_data: nothing recorded to compare
+    made = json.loads(mark.read_text()).get("inputs", {})
+    if made.get("source") == str(source) and (not source.is_file() or made.get("fingerprint") == fingerprint(source)):
+        return None
+    return (f"V4_SFT_DATA={data} now holds data prepared from {made.get('source')} (fingerprint "
+            f"{made.get('fingerprint')}), not from this run's PRESET_DATA={source}: another run prepared its source "
+            "into the same file. Give each data source its own V4_SFT_DATA (--set V4_SFT_DATA=...), then run this "
+            "one again (a new run, so that prepare_data runs)")
+
+
 def fingerprint(path: Path) -> str:
     """Content hash of a file (or of a directory's file names, sizes and mtimes)."""
     path = Path(path)

@@ -82,7 +82,7 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: Conve
     t0 = time.time()
     stage.load_weights(BF16Reader(Path(job.src), job.model.n_layers))
     n = sum(p.numel() for p in stage.parameters())
-    tmp = Path(job.dst + ".tmp")
+    tmp = Path(f"{job.dst}.tmp-{Path(job.run_dir).name}")      # one name for all ranks; another run's is another
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

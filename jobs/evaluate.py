@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.common import RunContext, done, fingerprint, log, mark_done, ranks_local
+from jobs.common import RunContext, done, fingerprint, foreign_sft_data, log, mark_done, ranks_local
 from jobs.train_sft import DATA_SEED_OFFSET, SFTData, tokenizer_dirs, train_config, world_size
 
 
@@ -80,6 +80,9 @@ def main(argv=None) -> int:
     except (ValueError, KeyError) as e:
         log(f"error: {e}")
         return 2
+    if (why := foreign_sft_data(ctx)):
+        log(f"error: {why}")
+        return 1
     from dsv4.megatron.train import latest_checkpoint
     trained = latest_checkpoint(ctx.paths.checkpoints)
     if trained is None:

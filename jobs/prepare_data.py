@@ -19,6 +19,7 @@ skips, a changed source re-runs. The counts go to stderr and steps/prepare_data/
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -157,7 +158,7 @@ def prepare(source: Path, output: Path) -> dict:
     kept, dropped = 0, Counter()
     examples: dict[str, int] = {}  # first row number of each drop reason, to point people at it
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp")
+    tmp = output.with_name(f"{output.name}.{os.getpid()}.tmp")      # two runs preparing at once write apart
     with open(tmp, "w", encoding="utf-8") as out:
         for n, row in read_rows(source):
             try:

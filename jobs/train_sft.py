@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.common import RunContext, done, fingerprint, log, mark_done, ranks_local
+from jobs.common import RunContext, done, fingerprint, foreign_sft_data, log, mark_done, ranks_local
 
 VAL_FRACTION = 0.1      # held-out share of the SFT rows (jobs.evaluate scores it)
 DATA_SEED_OFFSET = 17   # the data order's seed differs from the weights' seed
@@ -146,6 +146,9 @@ def main(argv=None) -> int:
     except (ValueError, KeyError) as e:
         log(f"error: {e}")
         return 2
+    if (why := foreign_sft_data(ctx)):
+        log(f"error: {why}")
+        return 1
     step_dir = ctx.step_dir("train")
     inputs = {"config": fingerprint(ctx.run_dir / "config.json"), "data": fingerprint(ctx.paths.sft_data)}
     if done(step_dir, inputs):

@@ -137,3 +137,28 @@ def test_runs_as_a_module_on_the_shipped_smoke_set(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "kept 200, dropped 0" in r.stderr
     assert (tmp_path / "data" / "sft.jsonl.v4-done.json").is_file()
+
+
+def test_data_another_run_prepared_into_the_same_file_is_refused(tmp_path):
+    """V4_SFT_DATA is one path whatever PRESET_DATA is: after run B prepares its source there, run A must not
+    train (or evaluate) on it as if it were its own."""
+    from jobs.common import RunContext, foreign_sft_data
+
+    out = tmp_path / "shared" / "sft.jsonl"
+    runs = {}
+    for name, rows in (("a", ROWS[:3]), ("b", ROWS[3:4])):
+        src = tmp_path / f"{name}.jsonl"
+        _write_jsonl(src, rows)
+        run = tmp_path / f"run-{name}"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"values": {
+            "PRESET_DATA": str(src), "V4_SFT_DATA": str(out), "V4_SOCKET_IFNAME": "", "CKPT_HF_DIR": "/x",
+            "CKPT_BF16_DIR": "/x", "CKPT_TORCH_DIST": "/x"}}))
+        runs[name] = run
+    assert main(["--run-dir", str(runs["a"])]) == 0
+    assert foreign_sft_data(RunContext.load(runs["a"])) is None
+    assert main(["--run-dir", str(runs["b"])]) == 0
+    why = foreign_sft_data(RunContext.load(runs["a"]))
+    assert why and str(tmp_path / "b.jsonl") in why and "V4_SFT_DATA" in why
+    assert foreign_sft_data(RunContext.load(runs["b"])) is None
+    assert not list(out.parent.glob("*.tmp"))                      # the per-process temp file was renamed

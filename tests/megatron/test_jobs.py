@@ -201,3 +201,17 @@ def _die_or_wait(rank, world, addr, port, payload) -> int:
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)   # blocks: rank 1 never joins
     return 0
+
+
+def test_train_and_evaluate_refuse_data_another_run_prepared(models, tmp_path):
+    """V4_SFT_DATA whose sentinel names another PRESET_DATA (another run prepared into the same file): no training
+    on it, exit 1, the reason and the fix said."""
+    from jobs.common import mark_done
+    data = tmp_path / "sft.jsonl"
+    data.write_text(DATA.read_text())
+    mark_done(data, {"source": "/elsewhere/other.jsonl", "fingerprint": "0", "format_version": 1})
+    run = make_run(tmp_path / "run", models, V4_SFT_DATA=str(data))
+    for name in ("train_sft", "evaluate"):
+        p = job(name, run)
+        assert p.returncode == 1 and "another run prepared its source" in p.stderr, (name, p.stderr[-2000:])
+    assert not (run / "metrics.jsonl").exists()
