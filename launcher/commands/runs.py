@@ -73,7 +73,8 @@ def show(selection, run_ref, as_json):
 @config_options()
 @click.argument("run_ref", metavar="RUN")
 @click.argument("step", required=False)
-@click.option("-f", "--follow", is_flag=True, help="keep printing a running step's log (from Ray) until it ends")
+@click.option("-f", "--follow", is_flag=True,
+              help="keep printing a running step's log (a Ray job, or a local job) until it ends")
 def logs(selection, run_ref, step, follow):
     """Print a run's step logs (all steps in order, or STEP)."""
     from launcher import registry
@@ -83,6 +84,10 @@ def logs(selection, run_ref, step, follow):
     if step and not steps:
         raise click.UsageError(f"run {run.id} has no step {step!r} (steps: {', '.join(s['name'] for s in run.steps())})")
     for s in steps:
+        if follow and s["status"] == "running" and s.get("pgid"):
+            click.echo(f"==> {s['name']} (following its local job, process group {s['pgid']}) <==", err=True)
+            _follow_local(run, s)
+            continue
         if follow and s["status"] == "running" and s.get("submission_id"):
             click.echo(f"==> {s['name']} (following job {s['submission_id']}) <==", err=True)
             _follow(cfg, s["submission_id"])
@@ -92,6 +97,28 @@ def logs(selection, run_ref, step, follow):
             click.echo(f"==> {s['name']} <==", err=True)
             sys.stdout.write(log.read_text())
             sys.stdout.flush()
+
+
+def _follow_local(run, s: dict, poll_s: float = 0.5) -> None:
+    """Print a local job's step log as it grows, until its process group is gone (the launcher writes the log)."""
+    import socket
+
+    from launcher.pipeline import group_alive
+    log, pos = run.step_log(s["name"]), 0
+    here = s.get("host") == socket.gethostname()
+    if not here:
+        click.echo(f"(the job runs on {s.get('host')}: its log so far, from the shared run directory)", err=True)
+    while True:
+        alive = here and group_alive(s["pgid"], run.dir)     # read before the log: nothing written before it ends is lost
+        if log.is_file():
+            with open(log) as f:
+                f.seek(pos)
+                sys.stdout.write(f.read())
+                pos = f.tell()
+            sys.stdout.flush()
+        if not alive:
+            return
+        time.sleep(poll_s)
 
 
 def _follow(cfg, sid: str) -> None:

@@ -357,3 +357,25 @@ def test_the_deadline_is_the_jobs_runtime_not_its_output(tmp_path):
     assert out.log_tail == "early"
     out = pipeline.run_local(None, local_job("echo bad; exit 3", 5), tmp_path / "c", progress=quiet)
     assert out.status == "FAILED" and out.exit_code == 3 and out.log_tail == "bad"
+
+
+def test_runs_logs_follows_a_local_job_until_it_ends(capsys, tmp_path):
+    """`v4 runs logs RUN -f` on a running local step tails its log (no Ray involved) and returns when the job's
+    process group is gone."""
+    cfg = config(tmp_path)
+    plan = job_plan(cfg, "true")
+    run = registry.create_run(cfg, plan)
+    log = run.step_log("weights")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("line 1\n")
+    writer = (f"import time\nfor i in (2, 3, 4):\n    time.sleep(0.4)\n"
+              f"    open({str(log)!r}, 'a').write(f'line {{i}}\\n')\n")
+    p = subprocess.Popen([PY, "-c", writer], start_new_session=True, env={**os.environ, "V4_RUN_DIR": str(run.dir)})
+    threading.Thread(target=p.wait, daemon=True).start()
+    run.set_step("weights", "running", submission_id=plan.steps[0].job.submission_id, pgid=p.pid,
+                 host=socket.gethostname())
+    t0 = time.monotonic()
+    code, out, err = v4(capsys, "runs", "logs", run.id, "-f", "--hw", "cpu", "--set", f"V4_WORK={tmp_path}")
+    assert code == 0, err
+    assert out == "line 1\nline 2\nline 3\nline 4\n" and "process group" in err
+    assert time.monotonic() - t0 < 15
