@@ -41,7 +41,7 @@ def show(selection, explain, as_json, no_check):
     table = [("KEY", "VALUE", "FROM", "OVERRODE")]
     for r in rows:
         o = r["overrode"]
-        table.append((r["key"], _fmt(r["value"]), r["from"],
+        table.append((r["key"], _fmt(r["value"]), r["from"] + (f" = {r['written']}" if r["written"] else ""),
                       "" if o is None else f"{o['value']!r} ({o['from']})"))
     widths = [min(max(len(row[i]) for row in table), 48) for i in range(3)]
     for row in table:

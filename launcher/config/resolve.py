@@ -120,13 +120,16 @@ class Config:
                 "key": key,
                 "value": self.shown(key),
                 "from": last.where,
+                # a value made of references came from where they did too: what it was written as says which
+                "written": last.raw if last.refs else None,
                 "overrode": None if prev is None else {
                     "value": "***" if self.is_secret(key, len(hist) - 2) and prev.raw
                              else self._as_written(key, len(hist) - 2),
                     "from": prev.where},
             })
         for key, d in self.derived.items():
-            rows.append({"key": key, "value": d.value, "from": f"derived: {d.formula}", "overrode": None})
+            rows.append({"key": key, "value": d.value, "from": f"derived: {d.formula}", "written": None,
+                         "overrode": None})
         return rows
 
     def _as_written(self, key: str, idx: int) -> str:
@@ -143,7 +146,8 @@ class Config:
             "layers": [{"layer": layer, "file": f} for layer, f in self.layers],
             "values": {k: self.shown(k) for k in self.values},
             "derived": {k: d.value for k, d in self.derived.items()},
-            "provenance": {r["key"]: {"from": r["from"], "overrode": r["overrode"]} for r in self.explain()},
+            "provenance": {r["key"]: {"from": r["from"], "written": r["written"], "overrode": r["overrode"]}
+                           for r in self.explain()},
         }
 
     def job_values(self) -> dict[str, Any]:

@@ -55,11 +55,15 @@ def test_explain_names_file_line_and_what_was_overridden(capsys):
     assert prov["HW_MAX_TOKENS_PER_GPU"]["from"] == f"hw/h20.env:{line}"
     assert prov["HW_MAX_TOKENS_PER_GPU"]["overrode"] == {"value": "4096", "from": "default"}
     assert prov["PRESET_LR"]["from"].startswith("presets/smoke.env:")
+    # ... and says what it was written as, so the reader knows to look at HW_SMOKE_SEQ_LEN's own row
+    assert prov["PRESET_SEQ_LEN"]["written"] == "${HW_SMOKE_SEQ_LEN}" and prov["PRESET_TP"]["written"] is None
     assert prov["PRESET_LR"]["overrode"]["from"] == "default"
     code, out, _ = v4(capsys, "config", "show", "--preset", "smoke", "--hw", "cpu", "--explain",
                       "--set", "PRESET_LR=3e-4")
     line = next(l for l in out.splitlines() if l.startswith("PRESET_LR "))
     assert "cli --set PRESET_LR" in line and "'1e-3 = ${HW_SMOKE_LR}' (presets/smoke.env:" in line
+    line = next(l for l in out.splitlines() if l.startswith("PRESET_SEQ_LEN "))
+    assert "presets/smoke.env:" in line and " = ${HW_SMOKE_SEQ_LEN}" in line
 
 
 def test_set_moves_interpolated_paths():
