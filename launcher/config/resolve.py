@@ -164,7 +164,11 @@ def layer_file(kind: str, name: str, root: Path = ROOT) -> Path:
     if kind == "cluster" and (name.endswith(".env") or "/" in name):
         path = Path(name)
         if not path.is_file():
-            raise ConfigError(f"cluster file {name} does not exist")
+            stem = Path(name).name.removesuffix(".env")
+            known = stem in available(kind, root)
+            raise ConfigError(f"cluster file {name} does not exist",
+                              fix=f"--cluster {stem} names {LAYER_DIRS[kind]}/{stem}.env" if known else
+                              f"give a path to a cluster .env file, or one of: {', '.join(available(kind, root))}")
         return path.resolve()
     path = root / LAYER_DIRS[kind] / f"{name}.env"
     if not path.is_file():

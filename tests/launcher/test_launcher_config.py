@@ -347,3 +347,8 @@ def test_worker_addresses_are_validated(tmp_path):
     f = env_file(tmp_path, 'V4_TRANSPORT=ssh\nV4_NUM_NODES=3\nV4_WORKER_IPS="10.0.0.2 n3;id"\n')
     with pytest.raises(ConfigError, match=r"V4_WORKER_IPS entry 'n3;id' \(.*extra.env:3\) is not an address"):
         resolve(Selection(env_files=(f,), environ={}))
+
+
+def test_a_cluster_name_given_as_a_file_name_gets_the_right_spelling(capsys):
+    code, _, err = v4(capsys, "config", "show", "--cluster", "local.env", "--preset", "smoke")
+    assert code == 2 and "cluster file local.env does not exist" in err and "--cluster local names" in err
