@@ -268,6 +268,11 @@ def _check_site(cfg: Config, errors: list[str]) -> None:
     """What the cluster and hardware layers alone decide: ports, paths, names, transport."""
     _check_ports_paths(cfg, errors)
     _check_names(cfg, errors)
+    if cfg.values["V4_REDIS_HOST"]:
+        # no pretend fault tolerance: nothing starts Ray against an external Redis yet
+        errors.append(f"{at(cfg, 'V4_REDIS_HOST')}: Ray GCS fault tolerance with an external Redis is not wired "
+                      "into `v4 cluster up` in this version; leave V4_REDIS_HOST empty (the head's GCS then keeps "
+                      "its state in memory)")
 
 
 def _check_ports_paths(cfg: Config, errors: list[str]) -> None:

@@ -352,3 +352,8 @@ def test_worker_addresses_are_validated(tmp_path):
 def test_a_cluster_name_given_as_a_file_name_gets_the_right_spelling(capsys):
     code, _, err = v4(capsys, "config", "show", "--cluster", "local.env", "--preset", "smoke")
     assert code == 2 and "cluster file local.env does not exist" in err and "--cluster local names" in err
+
+
+def test_an_external_redis_is_refused_until_it_is_wired(capsys):
+    code, _, err = v4(capsys, "config", "validate", "--preset", "smoke", "--set", "V4_REDIS_HOST=10.0.0.9")
+    assert code == 2 and "V4_REDIS_HOST" in err and "not wired" in err
