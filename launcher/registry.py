@@ -241,7 +241,8 @@ def resume_conflicts(run: "Run", cfg) -> list[str]:
     """`KEY: was -> now` for each RESUME_SAME key on which `cfg` differs from the config the run was made with."""
     was = (run.read_json("config.json") or {}).get("values") or {}
     now = json.loads(json.dumps(cfg.job_values(), default=str))
-    return [f"{k}: {was[k]!r} -> {now.get(k)!r}" for k in RESUME_SAME if k in was and was[k] != now.get(k)]
+    shown = lambda k, v: "***" if cfg.is_secret(k) else repr(v)       # a value may have taken in a secret
+    return [f"{k}: {shown(k, was[k])} -> {shown(k, now.get(k))}" for k in RESUME_SAME if k in was and was[k] != now.get(k)]
 
 
 def open_run(cfg, plan=None, force: bool = False) -> Run:
