@@ -184,11 +184,16 @@ def test_resumed_ray_step_follows_the_job_it_left_running(tmp_path, state, calls
     assert run.step_status("train")["status"] == "done"
 
 
-def test_resumed_local_step_refuses_while_its_earlier_job_lives(tmp_path):
+def run_beside_a_live_job(tmp_path):
+    """(cfg, plan, run, process): a new one-step run, and a live process group that says it belongs to it."""
     cfg = config(tmp_path)
     plan = job_plan(cfg, "true")
     run = registry.create_run(cfg, plan)
-    p = sleeper(run.dir)
+    return cfg, plan, run, sleeper(run.dir)
+
+
+def test_resumed_local_step_refuses_while_its_earlier_job_lives(tmp_path):
+    cfg, plan, run, p = run_beside_a_live_job(tmp_path)
     try:
         run.set_step("weights", "running", submission_id=plan.steps[0].job.submission_id, pgid=p.pid,
                      host=socket.gethostname())
@@ -225,10 +230,7 @@ def test_resume_with_settings_that_change_what_the_run_computes_is_refused(tmp_p
 
 
 def test_resume_is_refused_while_another_launcher_drives_the_run(tmp_path):
-    cfg = config(tmp_path)
-    plan = job_plan(cfg, "true")
-    run = registry.create_run(cfg, plan)
-    p = sleeper(run.dir)
+    cfg, plan, run, p = run_beside_a_live_job(tmp_path)
     try:
         run.update(launcher={"host": socket.gethostname(), "pid": p.pid})
         with pytest.raises(ConfigError, match=f"still driven by launcher pid {p.pid}"):
