@@ -128,6 +128,27 @@ def test_runs_logs_follow_and_stop(local_cfg):
     assert {s["name"]: s["status"] for s in show["steps"]}["long"] == "stopped"
 
 
+
+def test_a_resumed_step_follows_the_ray_job_its_launcher_left_running(local_cfg, tmp_path):
+    """The launcher was interrupted while its step's Ray job ran: the resume asks Ray about that job and follows it
+    to its end, so no second job works on the same outputs (real Ray, the real jobs module)."""
+    from launcher import pipeline
+    from launcher.plan import Step
+
+    starts = tmp_path / "starts"
+    code = f"import time\nopen({str(starts)!r}, 'a').write('start\\n')\ntime.sleep(4)\nprint('finished', flush=True)"
+    run = registry.create_run(local_cfg, prefix="t", argv=["test"])
+    job = _job(f"{run.id}-work", code)
+    sid = jobs.submit(local_cfg, job)                              # the first attempt's job ...
+    run.set_step("work", "running", submission_id=sid)              # ... recorded, then the launcher was gone
+    step = Step("work", "job", "a step whose job outlived its launcher", job=job)
+    pipeline._job(local_cfg, run, step, jobs)
+    s = run.step_status("work")
+    assert s["status"] == "done" and s["submission_ids"] == [sid]
+    assert starts.read_text() == "start\n"                         # one job ran, not two
+    assert "finished" in run.step_log("work").read_text()
+
+
 def test_local_down_scoped_and_complete(local_cfg):
     # Another cluster sharing V4_LOCAL_DIR (another port) sees nothing of ours and stops nothing.
     other = resolve(Selection(cluster="local", hw="cpu", sets=(*local_cfg.selection.sets, f"V4_RAY_PORT={_free_port()}")))
