@@ -131,8 +131,26 @@ def at(cfg: Config, key: str) -> str:
     return f"{key}={cfg.shown(key)} ({cfg.origin(key).where})"
 
 
+def _warn_hw_over_cluster(cfg: Config) -> None:
+    """The hardware layer comes after the cluster's: an HW_* value a cluster file sets is overridden by the hw file
+    that sets it too (a cluster that must keep HW_NCCL_NVLS_ENABLE=0 on shared hosts would silently lose it)."""
+    files = dict(cfg.layers)
+    cluster, hw = files.get("cluster"), files.get("hw")
+    if not cluster or not hw:
+        return
+    for key, hist in cfg.history.items():
+        last = len(hist) - 1
+        mine = [i for i, a in enumerate(hist) if a.where.startswith(f"{cluster}:")]
+        if mine and hist[last].where.startswith(f"{hw}:") and \
+                cfg.resolved.get((key, mine[-1])) != cfg.resolved.get((key, last)):
+            cfg.warnings.append(f"{hist[last].where} overrides {key}={cfg.resolved.get((key, mine[-1]))!r} from "
+                                f"{hist[mine[-1]].where} (the hardware file comes after the cluster's); to keep the "
+                                "cluster's value, give it with --env-file or --set")
+
+
 def derive_and_check(cfg: Config) -> None:
     v, d, errors = cfg.values, cfg.derived, []
+    _warn_hw_over_cluster(cfg)
 
     # -- topology ---------------------------------------------------------------------------------
     if len(cfg.nodes) != v["V4_NUM_NODES"]:

@@ -357,3 +357,13 @@ def test_a_cluster_name_given_as_a_file_name_gets_the_right_spelling(capsys):
 def test_an_external_redis_is_refused_until_it_is_wired(capsys):
     code, _, err = v4(capsys, "config", "validate", "--preset", "smoke", "--set", "V4_REDIS_HOST=10.0.0.9")
     assert code == 2 and "V4_REDIS_HOST" in err and "not wired" in err
+
+
+def test_a_hw_file_overriding_the_clusters_hw_setting_is_warned(tmp_path):
+    f = tmp_path / "shared.env"
+    f.write_text("V4_CLUSTER_NAME=shared\nHW_NCCL_NVLS_ENABLE=0\n")
+    cfg = resolve(Selection(cluster=str(f), preset="smoke", hw="h20"))
+    assert cfg["HW_NCCL_NVLS_ENABLE"] is True                      # the documented order: hw after cluster ...
+    assert any("overrides HW_NCCL_NVLS_ENABLE='0' from " in w and "--env-file or --set" in w for w in cfg.warnings)
+    quiet = resolve(Selection(cluster=str(f), preset="smoke", hw="h20", sets=("HW_NCCL_NVLS_ENABLE=0",)))
+    assert not quiet["HW_NCCL_NVLS_ENABLE"] and not any("overrides" in w for w in quiet.warnings)
