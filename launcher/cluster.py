@@ -123,20 +123,35 @@ def read_auth_token(cfg, head: Node | None = None) -> str:
     return r.stdout.strip() if r.ok else ""
 
 
+def redis_password_path(cfg, ip: str) -> str:
+    return f"{ray_state_dir(cfg, ip)}/auth/redis_password"
+
+
+def redis_namespace(cfg) -> str:
+    """The GCS's key prefix in the external Redis: one cluster's state, found again by its next head (GCS fault
+    tolerance), never another cluster's sharing the Redis."""
+    return f"v4-{cfg['V4_CLUSTER_NAME']}-{cfg['V4_RAY_PORT']}"
+
+
 def _install_token(cfg, node: Node, token: str) -> Result:
+    return _install_secret(cfg, node, auth_token_path(cfg, node.name), token)
+
+
+def _install_secret(cfg, node: Node, path: str, text: str) -> Result:
     # On the host, where `put` writes (the state directory is mounted at the same path in a container, whose root reads
-    # the file); only the token's own directory is private, the state directory keeps its usual mode.
-    host, path = node.host(), auth_token_path(cfg, node.name)
+    # the file); only the secrets' own directory is private, the state directory keeps its usual mode. By SFTP, never
+    # on a command line, where `ps` would show it.
+    host = node.host()
     d = Path(path).parent
     r = host.run(f"mkdir -p {shlex.quote(str(d.parent))} && (umask 077 && mkdir -p {shlex.quote(str(d))}) && "
                  f"chmod 700 {shlex.quote(str(d))}", timeout=60)
     if not r.ok:
         raise ClusterError(f"{node.name}: cannot create {d}: {r.tail(3)}",
                            fix=f"make {d.parent} writable for V4_SSH_USER on {node.name} (V4_LOCAL_DIR)")
-    fd, tmp = tempfile.mkstemp(prefix="v4-token-")          # 0600
+    fd, tmp = tempfile.mkstemp(prefix="v4-secret-")         # 0600
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(token)
+            f.write(text)
         host.put(tmp, path)
     finally:
         os.unlink(tmp)
@@ -145,6 +160,30 @@ def _install_token(cfg, node: Node, token: str) -> Result:
         raise ClusterError(f"{node.name}: cannot protect {path}: {r.tail(3)}",
                            fix=f"check the owner of {d} on {node.name}: it must be V4_SSH_USER")
     return r
+
+
+REDIS_CLEANUP = """import os, sys
+from ray._private.gcs_utils import cleanup_redis_storage
+host, port, namespace, pw_file = sys.argv[1:5]
+password = open(pw_file).read() if os.path.isfile(pw_file) else ""
+cleanup_redis_storage(host, int(port), password, False, namespace)
+if os.path.isfile(pw_file):
+    os.unlink(pw_file)
+"""
+
+
+def _forget_in_redis(cfg, head: Node, progress: Progress) -> dict:
+    """`down` is a deliberate end: the GCS state this cluster kept in the external Redis goes too, or the next head
+    would take it up again (the dead nodes and finished jobs of this one). On the head, which can reach the Redis."""
+    ns, pw_file = redis_namespace(cfg), redis_password_path(cfg, head.name)
+    cmd = (f"{shlex.quote(python_on_nodes(cfg))} - {shlex.quote(str(cfg['V4_REDIS_HOST']))} "
+           f"{int(cfg['V4_REDIS_PORT'])} {shlex.quote(ns)} {shlex.quote(pw_file)} <<'V4_REDIS'\n{REDIS_CLEANUP}V4_REDIS\n")
+    r = head.run(cmd, timeout=120)
+    if not r.ok:
+        return {"ok": False, "error": f"removing the GCS state {ns} from Redis {cfg['V4_REDIS_HOST']}:"
+                                      f"{cfg['V4_REDIS_PORT']}: {r.tail(4)}"}
+    progress(f"{head.name}: removed the GCS state {ns} from Redis {cfg['V4_REDIS_HOST']}:{cfg['V4_REDIS_PORT']}")
+    return {"redis_cleared": ns}
 
 
 def _remove_token(cfg, node: Node) -> Result:
@@ -225,7 +264,12 @@ def cluster_commands(cfg, force: bool = False) -> list[NodeCommands]:
     out = []
     for i, ip in enumerate(cfg.nodes):
         local, state = node_local_dir(cfg, ip), ray_state_dir(cfg, ip)
-        ctx = dict(common, ip=ip, state_dir=state, env={**common["env"], **auth_env(cfg, ip)})
+        ctx = dict(common, ip=ip, state_dir=state, env={**common["env"], **auth_env(cfg, ip)}, redis_password_file="")
+        if i == 0 and cfg["V4_REDIS_HOST"]:
+            # GCS fault tolerance: the head's GCS keeps its state in the external Redis, under this cluster's prefix
+            ctx["env"].update(RAY_REDIS_ADDRESS=f"{cfg['V4_REDIS_HOST']}:{cfg['V4_REDIS_PORT']}",
+                              RAY_external_storage_namespace=redis_namespace(cfg))
+            ctx["redis_password_file"] = redis_password_path(cfg, ip) if cfg["V4_REDIS_PASSWORD"] else ""
         run_container = rm_container = ""
         if container:
             mounts = list(cfg.get("V4_DOCKER_MOUNTS", []) or [])
@@ -454,6 +498,9 @@ def _up(cfg, nodes: list[Node], cmds: list[NodeCommands], progress: Progress) ->
         token = secrets.token_urlsafe(32)     # a new head, a new token
         hn = by_ip[head.ip]
         _on_node(hn, "installing the Ray auth token", lambda: _install_token(cfg, hn, token))
+        if cfg["V4_REDIS_HOST"] and cfg["V4_REDIS_PASSWORD"]:
+            _on_node(hn, "installing the Redis password", lambda: _install_secret(
+                cfg, hn, redis_password_path(cfg, hn.name), str(cfg["V4_REDIS_PASSWORD"])))
         progress(f"head {head.ip}: starting Ray (GCS :{cfg['V4_RAY_PORT']}, dashboard :{cfg['V4_DASHBOARD_PORT']})")
         _check([_on_node(hn, "ray start (head)", lambda: hn.run(cmds[0].start))], "ray start (head)")
         todo = cmds[1:]                       # a new head: every worker must (re)join it
@@ -555,6 +602,8 @@ def down(cfg, nodes: list[Node] | None = None, force: bool = False,
     with opened(cfg, nodes) as nodes:
         reports = fan_out(nodes, stop, on_error=lambda n, e: {"node": n.name, "ok": False,
                                                               "error": f"{type(e).__name__}: {e}"})
+        if cfg["V4_REDIS_HOST"] and reports[0]["ok"]:
+            reports[0].update(_forget_in_redis(cfg, nodes[0], progress))
     for rep in reports:
         if not rep["ok"]:
             progress(f"{rep['node']}: stop failed: {rep.get('error') or 'still running: %s' % rep.get('remaining')}")

@@ -286,11 +286,6 @@ def _check_site(cfg: Config, errors: list[str]) -> None:
     """What the cluster and hardware layers alone decide: ports, paths, names, transport."""
     _check_ports_paths(cfg, errors)
     _check_names(cfg, errors)
-    if cfg.values["V4_REDIS_HOST"]:
-        # no pretend fault tolerance: nothing starts Ray against an external Redis yet
-        errors.append(f"{at(cfg, 'V4_REDIS_HOST')}: Ray GCS fault tolerance with an external Redis is not wired "
-                      "into `v4 cluster up` in this version; leave V4_REDIS_HOST empty (the head's GCS then keeps "
-                      "its state in memory)")
 
 
 def _check_ports_paths(cfg: Config, errors: list[str]) -> None:
@@ -340,6 +335,9 @@ def _check_names(cfg: Config, errors: list[str]) -> None:
         if not valid_host(host):
             errors.append(f"V4_WORKER_IPS entry {host!r} ({cfg.origin('V4_WORKER_IPS').where}) is not an address "
                           f"or host name; {how} (entries are separated by spaces)")
+    if v["V4_REDIS_HOST"] and not valid_host(v["V4_REDIS_HOST"]):
+        errors.append(f"{at(cfg, 'V4_REDIS_HOST')} is not an address or host name; {how} (or leave it empty: no "
+                      "external Redis)")
 
 
 def valid_host(host: str) -> bool:

@@ -67,7 +67,7 @@ KEYS: list[Key] = [
     _k("V4_CONTAINER_SHM_SIZE", "str", "200g", "cluster", "--shm-size of the container"),
     _k("V4_HTTP_PROXY", "str", "", "cluster", "HTTP(S) proxy for the nodes (empty: none)"),
     _k("V4_TZ", "str", "", "cluster", "time zone exported to jobs (empty: the node's)"),
-    _k("V4_REDIS_HOST", "str", "", "cluster", "external Redis for Ray GCS fault tolerance: not wired yet, must stay empty"),
+    _k("V4_REDIS_HOST", "str", "", "cluster", "external Redis for Ray GCS fault tolerance (empty: the GCS keeps its state in memory)"),
     _k("V4_REDIS_PORT", "int", 6379, "cluster", "port of the external Redis"),
     _k("V4_REDIS_PASSWORD", "str", "", "cluster", "password of the external Redis (secret; redacted)"),
     # --- ports and networking --------------------------------------------------------------------
