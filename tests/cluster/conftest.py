@@ -23,6 +23,14 @@ def netns_cluster():
         c.teardown()
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (for a local Ray's GCS, dashboard, rendezvous; a test's Redis)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _proc_env_has(pid: int, needle: bytes) -> bool:
     try:
         return needle in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")

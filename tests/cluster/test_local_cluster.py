@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tagged_pids
+from conftest import free_port, tagged_pids
 from launcher import cluster, jobs, preflight, registry
 from launcher.node_scripts import ray_procs
 from launcher.config import Selection, resolve
@@ -21,18 +20,13 @@ from launcher.plan import JobSpec
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def local_cfg(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("local")
     # Short node-local path: Ray's AF_UNIX socket paths live below it.
     local = Path(f"/tmp/v4loc-{tmp.name[-6:]}")
-    sets = (f"V4_RAY_PORT={_free_port()}", f"V4_DASHBOARD_PORT={_free_port()}", f"V4_DIST_PORT={_free_port()}",
+    sets = (f"V4_RAY_PORT={free_port()}", f"V4_DASHBOARD_PORT={free_port()}", f"V4_DIST_PORT={free_port()}",
             f"V4_WORK={tmp / 'work'}", f"V4_LOCAL_DIR={local}", "V4_RAY_NUM_CPUS=1")
     cfg = resolve(Selection(cluster="local", hw="cpu", sets=sets))
     yield cfg
@@ -151,7 +145,7 @@ def test_a_resumed_step_follows_the_ray_job_its_launcher_left_running(local_cfg,
 
 def test_local_down_scoped_and_complete(local_cfg):
     # Another cluster sharing V4_LOCAL_DIR (another port) sees nothing of ours and stops nothing.
-    other = resolve(Selection(cluster="local", hw="cpu", sets=(*local_cfg.selection.sets, f"V4_RAY_PORT={_free_port()}")))
+    other = resolve(Selection(cluster="local", hw="cpu", sets=(*local_cfg.selection.sets, f"V4_RAY_PORT={free_port()}")))
     assert [r["recorded"] for r in cluster.down(other)] == [False]
     assert cluster.status(local_cfg).healthy
     rec = json.loads(Path(cluster.cluster_commands(local_cfg)[0].state_dir, "ray_procs.json").read_text())

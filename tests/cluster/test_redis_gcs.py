@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import socket
 import stat
 import subprocess
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
 from launcher import cluster
 from launcher.config import Selection, resolve
 
@@ -20,15 +20,10 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed (.ci/run installs it)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory):
-    port, password = _free_port(), secrets.token_urlsafe(16)
+    port, password = free_port(), secrets.token_urlsafe(16)
     d = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--requirepass", password,
                              "--save", "", "--appendonly", "no", "--dir", str(d)],
@@ -53,7 +48,7 @@ def cli(port: int, password: str, *args: str) -> str:
 def test_up_keeps_the_gcs_state_in_redis_and_down_removes_it(redis, tmp_path):
     port, password = redis
     local = Path(f"/tmp/v4red-{tmp_path.name[-6:]}")           # short: Ray's AF_UNIX socket paths live below it
-    sets = (f"V4_RAY_PORT={_free_port()}", f"V4_DASHBOARD_PORT={_free_port()}", f"V4_DIST_PORT={_free_port()}",
+    sets = (f"V4_RAY_PORT={free_port()}", f"V4_DASHBOARD_PORT={free_port()}", f"V4_DIST_PORT={free_port()}",
             f"V4_WORK={tmp_path / 'work'}", f"V4_LOCAL_DIR={local}", "V4_RAY_NUM_CPUS=1",
             "V4_REDIS_HOST=127.0.0.1", f"V4_REDIS_PORT={port}", f"V4_REDIS_PASSWORD={password}")
     cfg = resolve(Selection(cluster="local", hw="cpu", sets=sets))
