@@ -1,8 +1,10 @@
 """GCS fault tolerance with an external Redis (V4_REDIS_*): a real redis-server with a password and a real local Ray.
 `up` starts the head's GCS against the Redis under this cluster's prefix, the password reaching Ray from a 0600
-file and never from the script's text; `down` removes that state from the Redis, and the password file."""
+file and never from the script's text; a head killed without `down` comes back from that state with the next `up`;
+`down` removes the state from the Redis, and the password file."""
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 import stat
@@ -65,6 +67,15 @@ def test_up_keeps_the_gcs_state_in_redis_and_down_removes_it(redis, tmp_path):
         keys = cli(port, password, "--scan").split()
         assert keys and all(ns in k for k in keys), keys                # the GCS writes under this cluster's prefix
         assert not any(password in line for line in said)
+        # the head dies without `down` (kill -9): the next `up` starts a head whose GCS takes up the state in Redis
+        rec = json.loads(Path(head.state_dir, "ray_procs.json").read_text())
+        for p in rec["procs"]:
+            subprocess.run(["kill", "-9", str(p["pid"])], check=False)
+        time.sleep(2)
+        assert not cluster.status(cfg).healthy
+        again = cluster.up(cfg, progress=said.append)
+        assert again.healthy and again.changed, again.problems
+        assert [k for k in cli(port, password, "--scan").split() if ns in k]
     finally:
         reports = cluster.down(cfg, progress=said.append)
         subprocess.run(["rm", "-rf", str(local)])
