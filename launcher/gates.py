@@ -165,10 +165,9 @@ def left_out(cfg) -> list[str]:
     `--set PRESET_GATES=finite_loss`): such a run proves less than the stage asks, so it is not a pass of it."""
     out = []
     for key in ("PRESET_STEPS", "PRESET_GATES"):
-        hist = cfg.history.get(key, [])
-        own = [i for i, a in enumerate(hist) if a.where.startswith("presets/")]
-        if own:
-            wanted = cfg.resolved.get((key, own[-1]), "").split()
+        own = cfg.set_by(key, "preset")
+        if own is not None:
+            wanted = cfg.resolved.get((key, own), "").split()
             out += [f"{key[7:-1].lower()} {x}" for x in wanted if x not in cfg[key]]
     return out
 

@@ -134,17 +134,12 @@ def at(cfg: Config, key: str) -> str:
 def _warn_hw_over_cluster(cfg: Config) -> None:
     """The hardware layer comes after the cluster's: an HW_* value a cluster file sets is overridden by the hw file
     that sets it too (a cluster that must keep HW_NCCL_NVLS_ENABLE=0 on shared hosts would silently lose it)."""
-    files = dict(cfg.layers)
-    cluster, hw = files.get("cluster"), files.get("hw")
-    if not cluster or not hw:
-        return
     for key, hist in cfg.history.items():
-        last = len(hist) - 1
-        mine = [i for i, a in enumerate(hist) if a.where.startswith(f"{cluster}:")]
-        if mine and hist[last].where.startswith(f"{hw}:") and \
-                cfg.resolved.get((key, mine[-1])) != cfg.resolved.get((key, last)):
-            cfg.warnings.append(f"{hist[last].where} overrides {key}={cfg.resolved.get((key, mine[-1]))!r} from "
-                                f"{hist[mine[-1]].where} (the hardware file comes after the cluster's); to keep the "
+        mine, last = cfg.set_by(key, "cluster"), len(hist) - 1
+        if mine is not None and cfg.set_by(key, "hw") == last and \
+                cfg.resolved.get((key, mine)) != cfg.resolved.get((key, last)):
+            cfg.warnings.append(f"{hist[last].where} overrides {key}={cfg.resolved.get((key, mine))!r} from "
+                                f"{hist[mine].where} (the hardware file comes after the cluster's); to keep the "
                                 "cluster's value, give it with --env-file or --set")
 
 

@@ -80,6 +80,12 @@ class Config:
     def origin(self, key: str) -> Assignment:
         return self.history[key][-1]
 
+    def set_by(self, key: str, layer: str) -> int | None:
+        """The history index of the last assignment of `key` in `layer`'s file (cluster, hw, preset, ...), or None."""
+        f = dict(self.layers).get(layer)
+        hits = [i for i, a in enumerate(self.history.get(key, [])) if f and a.where.startswith(f"{f}:")]
+        return hits[-1] if hits else None
+
     @property
     def nodes(self) -> list[str]:
         """Node addresses, head first."""
