@@ -109,11 +109,11 @@ def python(node, ctx):
     if stage == "ssh":
         return None
     if stage == "python":
-        if ctx.where_failed.get(node) == "host":
+        if ctx.where.get(node) == "host":
             return FAIL, err, (f"until container {ctx.cfg['V4_CONTAINER']} runs, preflight reads {node}'s facts with "
                                "the host's python3 (3.8+, standard library only): install it there, or run "
                                "`v4 cluster up` first and `v4 preflight` again")
-        if ctx.where_failed.get(node) == "container":
+        if ctx.where.get(node) == "container":
             return FAIL, err, (f"the image {ctx.cfg.get('V4_IMAGE')} must provide V4_PYTHON "
                                f"({python_on_nodes(ctx.cfg)}): fix the image or V4_PYTHON")
         return FAIL, err, "install the project's environment on every node at the same path, or set V4_PYTHON"

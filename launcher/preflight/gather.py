@@ -110,10 +110,10 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bo
 
     for name, f in zip(ctx.order, fan_out(nodes, facts,
                                            on_error=lambda n, e: {"_stage": "python", "_error": f"{type(e).__name__}: {e}"})):
+        if "_where" in f:
+            ctx.where[name] = f["_where"]
         if "_stage" in f:
             ctx.errors[name] = (f["_stage"], f["_error"])
-            if "_where" in f:
-                ctx.where_failed[name] = f["_where"]
             if "_ssh_s" in f:
                 ctx.ssh_seconds[name] = f["_ssh_s"]
         else:

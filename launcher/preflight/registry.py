@@ -38,7 +38,7 @@ class Context:
     ssh_seconds: dict[str, float] = field(default_factory=dict)
     # container mode: V4_CONTAINER on each node's host, as `cluster.container_state` reports it
     containers: dict[str, dict] = field(default_factory=dict)
-    where_failed: dict[str, str] = field(default_factory=dict)   # node -> host / container / node: where python failed
+    where: dict[str, str] = field(default_factory=dict)   # node -> host / container / node: where its facts were read
     # a resumed run: its checkpoints already on disk count toward the room it needs; none if trained
     run_ckpt_gb: float = 0.0
     run_trained: bool = False
@@ -50,7 +50,7 @@ class Context:
     def on_host(self, node: str) -> bool:
         """Container mode, but this node's facts come from its host: the container does not run (yet), or is not
         the one `v4 cluster up` would use. The image's software is not visible there."""
-        return self.facts.get(node, {}).get("_where") == "host"
+        return node in self.facts and self.where.get(node) == "host"
 
     def majority(self, fn: Callable[[dict], Any], where: Callable[[str], bool] = lambda n: True) -> Any:
         """The most common value of fn(facts) over the nodes with facts (and `where(node)`; ties: the head's)."""

@@ -215,9 +215,9 @@ def test_container_mode_facts_from_the_host():
     """Before `v4 cluster up` the container does not exist: facts come from the host, the image's software is judged
     later (SKIP, saying when), what the host shows (GPUs, disks, network) is judged now."""
     cfg = cfg_for(V4_NUM_GPUS_PER_NODE=1, V4_EXPECT_IB=0, V4_CONTAINER="v4c", V4_IMAGE="img:1")
-    host = facts(_where="host", packages__torch=None, memlock=64 * 1024)
+    host = facts(packages__torch=None, memlock=64 * 1024)
     absent = {"state": "absent", "owner": "", "ours": False, "image": "", "error": ""}
-    kw = {"containers": {A: absent}}
+    kw = {"containers": {A: absent}, "where": {A: "host"}}
     r = one("container", cfg, host, **kw)
     assert r.status == "PASS" and "`v4 cluster up` creates it from img:1" in r.detail
     for name in ("python", "versions", "packages", "known_bad"):
@@ -231,7 +231,7 @@ def test_container_mode_facts_from_the_host():
     stale = dict(absent, state="running", owner=cfg["V4_CLUSTER_NAME"], ours=True, image="img:0")
     assert one("container", cfg, host, containers={A: stale}).status == "WARN"
     current = dict(stale, image="img:1")
-    assert one("container", cfg, facts(_where="container"), containers={A: current}).status == "PASS"
+    assert one("container", cfg, facts(), containers={A: current}, where={A: "container"}).status == "PASS"
     nodocker = dict(absent, state="error", error="docker not found on the host 10.0.0.1: docker: command not found")
     r = one("container", cfg, host, containers={A: nodocker})
     assert r.status == "FAIL" and "install Docker" in r.fix
