@@ -10,12 +10,17 @@ runs of the same kernel is visible. Each row also gives the SM clock just after 
 power cap the clock, and with it a kernel's time, moves by several per cent from run to run.
 Each TileLang row also gives its speedup over the torch fallback timed in the same run (median over median),
 and, at the shapes issue 5 sets goals for (one H200), whether the median meets the goal.
+Where a build of FlashMLA (DeepSeek's CUDA kernels for this attention) is importable, its sparse prefill forward is
+timed beside ours on the same inputs (`flashmla` rows, FLOPs counted the same way), once its output has been checked
+against ours; each TileLang forward row then gives its speedup over FlashMLA's (`vs FlashMLA`).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import click
 
@@ -73,6 +78,7 @@ class Row:
     ms_min: float | None = None
     ms_max: float | None = None
     vs_torch: float | None = None      # torch fallback's median / this row's, same shape and pass, same run
+    vs_flashmla: float | None = None   # FlashMLA's median / this row's, same shape and pass, same run
     clock_mhz: float | None = None     # SM clock just after the timed runs (see _timed_runs)
 
     @classmethod
@@ -122,7 +128,58 @@ def _inputs(sh: AttnShape):
     return q, kv, sink, idx.view(sh.B, sh.S, sh.K).int().contiguous()
 
 
-def bench_attention(sh: AttnShape, ops: tuple[str, ...], torch_fallback: bool, warmup: int, iters: int) -> list[Row]:
+# Where FlashMLA's builds put its sparse prefill forward: its own package, sgl-kernel, and vllm's vendored copy. All
+# share flash_mla_sparse_fwd(q[T,H,D], kv[M,1,D], indices[T,1,K], sm_scale, d_v, attn_sink) -> (out, max_logits, lse):
+# no batch dimension, attn_sink in the denominator as ours, -1 (or >= M) an empty slot.
+FLASHMLA_MODULES = ("flash_mla", "sgl_kernel.flash_mla", "vllm.third_party.flashmla.flash_mla_interface")
+FLASHMLA_TOLERANCE = 2e-2     # relative L2 difference from our output; bf16 rounding alone gives ~2e-3
+
+
+def flashmla() -> tuple[Callable | None, str]:
+    """(FlashMLA's flash_mla_sparse_fwd, the module it came from), or (None, why none could be imported)."""
+    tried = []
+    for name in FLASHMLA_MODULES:
+        try:
+            return importlib.import_module(name).flash_mla_sparse_fwd, name
+        except (ImportError, OSError, AttributeError, RuntimeError) as e:   # absent, or built for another torch
+            tried.append(f"{name}: {type(e).__name__}")
+    return None, "; ".join(tried)
+
+
+def _flashmla_args(q, kv, idx):
+    """Our [B,S,H,D] / [B,N,D] / [B,S,K] operands as FlashMLA's batchless ones: batch b's rows offset by b*N."""
+    import torch
+    B, S, H, D = q.shape
+    N = kv.shape[1]
+    offset = (torch.arange(B, device=idx.device, dtype=idx.dtype) * N).view(B, 1, 1)
+    flat = torch.where((idx >= 0) & (idx < N), idx + offset, -1)
+    return q.reshape(B * S, H, D), kv.reshape(B * N, 1, D), flat.reshape(B * S, 1, -1).contiguous()
+
+
+def bench_flashmla(sh: AttnShape, upstream: tuple[Callable, str], q, kv, sink, idx, scale: float, ours,
+                   flops: int, warmup: int, iters: int) -> Row:
+    """FlashMLA's forward on our inputs, timed only if its output matches ours (`ours`: o[B,S,H,D])."""
+    import torch
+    fn, where = upstream
+    args = _flashmla_args(q, kv, idx)
+    try:
+        out = fn(*args, scale, sh.D, sink)[0]
+    except RuntimeError as e:             # its own checks: head count, head dim, top-k it was not built for
+        return Row(sh.name, "fwd", "flashmla", None, None, f"FlashMLA ({where}) refused: {str(e).splitlines()[0]}")
+    ref = ours.reshape(out.shape).float()
+    if not torch.isfinite(out).all():
+        return Row(sh.name, "fwd", "flashmla", None, None, f"FlashMLA ({where}) gave non-finite output: not timed")
+    diff = ((out.float() - ref).norm() / ref.norm()).item()
+    if not diff <= FLASHMLA_TOLERANCE:
+        return Row(sh.name, "fwd", "flashmla", None, None,
+                   f"FlashMLA ({where}) output differs from ours by {diff:.1e} (relative): not timed")
+    row = Row.timed(sh.name, "fwd", "flashmla", _timed_runs(lambda: fn(*args, scale, sh.D, sink), warmup, iters), flops)
+    row.note = f"FlashMLA from {where}; output within {diff:.1e} of ours"
+    return row
+
+
+def bench_attention(sh: AttnShape, ops: tuple[str, ...], torch_fallback: bool, warmup: int, iters: int,
+                    upstream: tuple[Callable, str] | None = None) -> list[Row]:
     import torch
     from dsv4.kernels import reference
     from dsv4.kernels import tilelang_sparse_attn as tl
@@ -141,6 +198,8 @@ def bench_attention(sh: AttnShape, ops: tuple[str, ...], torch_fallback: bool, w
         row = Row.timed(sh.name, op, "tilelang", _timed_runs(runs[op], warmup, iters), flops[op])
         row.note = sh.row_note(op, row.tflops)
         rows.append(row)
+    if upstream is not None and "fwd" in ops:
+        rows.append(bench_flashmla(sh, upstream, q, kv, sink, idx, scale, o[:, :, :sh.H], flops["fwd"], warmup, iters))
     if torch_fallback:
         for op in ops:
             try:
@@ -186,12 +245,15 @@ def bench():
               help=f"comma-separated shape sets: {', '.join(SHAPE_SETS)}")
 @click.option("--ops", default="fwd,bwd", show_default=True, help="sparse attention passes to time")
 @click.option("--no-torch", is_flag=True, help="skip the torch fallback (it needs tens of GB at large shapes)")
+@click.option("--upstream/--no-upstream", default=True, show_default=True,
+              help="also time FlashMLA's sparse prefill forward where a build of it is importable "
+                   f"({', '.join(FLASHMLA_MODULES)})")
 @click.option("--indexer/--no-indexer", default=True, show_default=True)
 @click.option("--warmup", default=3, show_default=True)
 @click.option("--iters", default=10, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
-def bench_kernels(shapes, ops, no_torch, indexer, warmup, iters, as_json):
-    """TFLOP/s of the TileLang sparse attention (fwd/bwd) and indexer, next to the torch fallback."""
+def bench_kernels(shapes, ops, no_torch, upstream, indexer, warmup, iters, as_json):
+    """TFLOP/s of the TileLang sparse attention (fwd/bwd) and indexer, next to the torch fallback and FlashMLA."""
     import torch
     if not torch.cuda.is_available():
         raise click.UsageError("v4 bench kernels needs a CUDA GPU (none is visible)")
@@ -199,17 +261,21 @@ def bench_kernels(shapes, ops, no_torch, indexer, warmup, iters, as_json):
     if unknown:
         raise click.UsageError(f"unknown shape set(s) {unknown}; choose from {list(SHAPE_SETS)}")
     ops = tuple(o for o in ops.split(",") if o)
+    fm, fm_where = flashmla() if upstream else (None, "--no-upstream")
+    if upstream and fm is None:
+        click.echo(f"[bench] FlashMLA is not importable ({fm_where}): no upstream kernel rows", err=True)
     rows, shapes_used = [], []
     for set_name in shapes.split(","):
         for sh in SHAPE_SETS[set_name]:
             shape_ops = tuple(o for o in ops if o in sh.ops)
             click.echo(f"[bench] {sh}", err=True)
             shapes_used.append({**asdict(sh), "upstream": dict(sh.upstream), "goals": dict(sh.goals)})
-            rows += bench_attention(sh, shape_ops, not no_torch, warmup, iters)
+            rows += bench_attention(sh, shape_ops, not no_torch, warmup, iters, (fm, fm_where) if fm else None)
     if indexer:
         rows += bench_indexer(warmup, iters)
     with_speedups(rows)
-    report = {"device": torch.cuda.get_device_name(), "flops": {"fwd": FWD_FLOPS, "bwd": BWD_FLOPS,
+    report = {"device": torch.cuda.get_device_name(),
+              "flashmla": {"module": fm_where} if fm else {"module": None, "why_not": fm_where}, "flops": {"fwd": FWD_FLOPS, "bwd": BWD_FLOPS,
               "indexer": "2*B*S*N*Hi*Di"}, "shapes": shapes_used, "rows": [asdict(r) for r in rows]}
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -219,25 +285,30 @@ def bench_kernels(shapes, ops, no_torch, indexer, warmup, iters, as_json):
 
 
 def with_speedups(rows: list[Row]) -> list[Row]:
-    """Set each TileLang row's speedup over the torch row of the same shape and pass (when that one ran)."""
-    torch_ms = {(r.shape, r.op): r.ms for r in rows if r.impl == "torch" and r.ms is not None}
+    """Set each TileLang row's speedup over the torch and the FlashMLA row of its shape and pass (where those ran)."""
+    def medians(impl):
+        return {(r.shape, r.op): r.ms for r in rows if r.impl == impl and r.ms is not None}
+    torch_ms, flashmla_ms = medians("torch"), medians("flashmla")
     for r in rows:
-        base = torch_ms.get((r.shape, r.op))
-        if r.impl == "tilelang" and r.ms is not None and base is not None:
-            r.vs_torch = base / r.ms
+        if r.impl == "tilelang" and r.ms is not None:
+            key = (r.shape, r.op)
+            r.vs_torch = torch_ms[key] / r.ms if key in torch_ms else None
+            r.vs_flashmla = flashmla_ms[key] / r.ms if key in flashmla_ms else None
     return rows
 
 
 def table(rows: list[Row]) -> str:
-    """ms is the median; min-max the fastest and slowest timed run; vs torch the speedup over the fallback; MHz the SM
-    clock just after the runs."""
+    """ms is the median; min-max the fastest and slowest timed run; vs torch / vs FlashMLA the speedup over the fallback
+    and over FlashMLA (above 1: ours is faster); MHz the SM clock just after the runs."""
     lines = [f"{'shape':<40} {'op':<4} {'impl':<9} {'ms':>9} {'min-max':>17} {'TFLOP/s':>8} {'vs torch':>8} "
-             f"{'MHz':>5}  note"]
+             f"{'vs FlashMLA':>11} {'MHz':>5}  note"]
     for r in rows:
         ms = f"{r.ms:.3f}" if r.ms is not None else "-"
         spread = f"{r.ms_min:.3f}-{r.ms_max:.3f}" if r.ms_min is not None else "-"
         tf = f"{r.tflops:.1f}" if r.tflops is not None else "-"
         vs = f"{r.vs_torch:.1f}x" if r.vs_torch is not None else "-"
+        vs_fm = f"{r.vs_flashmla:.3f}x" if r.vs_flashmla is not None else "-"
         mhz = f"{r.clock_mhz:.0f}" if r.clock_mhz is not None else "-"
-        lines.append(f"{r.shape:<40} {r.op:<4} {r.impl:<9} {ms:>9} {spread:>17} {tf:>8} {vs:>8} {mhz:>5}  {r.note}")
+        lines.append(f"{r.shape:<40} {r.op:<4} {r.impl:<9} {ms:>9} {spread:>17} {tf:>8} {vs:>8} {vs_fm:>11} {mhz:>5}  "
+                     f"{r.note}")
     return "\n".join(lines)

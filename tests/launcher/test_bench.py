@@ -1,6 +1,7 @@
 """`v4 bench kernels`. Off the GPU: what it refuses, that each upstream figure and goal stays with its own pass, the
-median / min-max and clock of each row, and each TileLang row's speedup over the torch row of its shape and pass.
-On a GPU: that a timed run counts the GPU's time only, and the clock it reads."""
+median / min-max and clock of each row, and each TileLang row's speedup over the torch and FlashMLA rows of its shape
+and pass. On a GPU: that a timed run counts the GPU's time only, and the clock it reads; that FlashMLA is timed on our
+inputs (batch flattened) only when its output matches ours."""
 import math
 import subprocess
 import sys
@@ -29,10 +30,10 @@ def test_rows_carry_the_spread_of_their_runs():
     assert row.clock_mhz == 1755.2
     oom = Row("v4-flash", "bwd", "torch", None, None, "out of memory")
     lines = table([row, oom]).splitlines()
-    assert "min-max" in lines[0] and lines[0].split()[8] == "MHz"
+    assert "min-max" in lines[0] and lines[0].split()[10] == "MHz"
     assert "0.850" in lines[1] and "0.800-0.900" in lines[1] and "4.7" in lines[1]
-    assert lines[1].split()[7] == "1755"
-    assert lines[2].split()[3:8] == ["-", "-", "-", "-", "-"] and lines[2].endswith("out of memory")
+    assert lines[1].split()[8] == "1755"
+    assert lines[2].split()[3:9] == ["-", "-", "-", "-", "-", "-"] and lines[2].endswith("out of memory")
 
 
 def test_goals_are_judged_per_pass():
@@ -44,15 +45,31 @@ def test_goals_are_judged_per_pass():
     assert v32.row_note("fwd", 1.0) == v32.note("fwd")          # no goal at the upstream shapes
 
 
-def test_speedup_is_over_the_torch_row_of_the_same_shape_and_pass():
+def test_speedup_is_over_the_torch_and_flashmla_rows_of_the_same_shape_and_pass():
     rows = [Row("a", "fwd", "tilelang", 0.5, 1.0), Row("a", "bwd", "tilelang", 2.0, 1.0),
             Row("a", "fwd", "torch", 10.0, 0.1), Row("a", "bwd", "torch", None, None, "out of memory"),
-            Row("b", "fwd", "tilelang", 1.0, 1.0)]
+            Row("b", "fwd", "tilelang", 1.0, 1.0), Row("a", "fwd", "flashmla", 0.55, 1.0),
+            Row("b", "fwd", "flashmla", None, None, "output differs")]
     with_speedups(rows)
-    assert [r.vs_torch for r in rows] == [20.0, None, None, None, None]
+    assert [r.vs_torch for r in rows] == [20.0, None, None, None, None, None, None]
+    assert [r.vs_flashmla for r in rows] == [pytest.approx(1.1), None, None, None, None, None, None]
     lines = table(rows).splitlines()
-    assert "vs torch" in lines[0]
-    assert lines[1].split()[6] == "20.0x" and lines[2].split()[6] == "-" and lines[5].split()[6] == "-"
+    assert "vs torch" in lines[0] and "vs FlashMLA" in lines[0]
+    assert lines[1].split()[6:8] == ["20.0x", "1.100x"]
+    assert lines[2].split()[6:8] == ["-", "-"] and lines[5].split()[6:8] == ["-", "-"]
+
+
+def test_flashmla_gets_our_batches_as_one_with_offset_rows():
+    from launcher.commands.bench import _flashmla_args
+    q, kv = torch.randn(2, 3, 4, 8), torch.randn(2, 5, 8)
+    idx = torch.tensor([[[0, 4, -1], [1, 5, 2], [1, 5, 2]],
+                        [[0, 4, -1], [3, 3, 7], [3, 3, 7]]], dtype=torch.int32)      # [B=2, S=3, K=3], N = 5
+    fq, fkv, fidx = _flashmla_args(q, kv, idx)
+    assert fq.shape == (6, 4, 8) and fkv.shape == (10, 1, 8) and fidx.shape == (6, 1, 3)
+    assert torch.equal(fkv[5:, 0], kv[1]) and torch.equal(fq[3:], q[1])
+    # batch 1's rows move by N = 5; -1 and indices outside [0, N) stay empty slots (-1), never another batch's row
+    assert fidx[:, 0].tolist() == [[0, 4, -1], [1, -1, 2], [1, -1, 2], [5, 9, -1], [8, 8, -1], [8, 8, -1]]
+    assert fidx.dtype == torch.int32
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -81,3 +98,26 @@ def test_timed_runs_time_the_gpu_and_read_its_clock():
     expected_ms = cycles / (mhz * 1e3)
     # a run is its spin (the clock may move a little between runs), not spin + the 1.5 ms of host time
     assert max(times) < expected_ms * 1.25 + 0.2, (times, expected_ms)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flashmla_is_timed_on_our_inputs_only_when_it_agrees():
+    """With a FlashMLA build importable: its row at B2 (batch flattened) is timed and within tolerance of ours. Always:
+    an 'upstream' that returns something else is not timed (a fake stands in for a wrong FlashMLA: the check under
+    test is ours)."""
+    from launcher.commands.bench import AttnShape, bench_attention, flashmla
+    sh = AttnShape("t", 2, 64, 512, 64, 512, 128, ("fwd",))
+
+    def wrong(q, kv, idx, scale, d_v, sink):
+        return torch.zeros_like(q), None, None
+    rows = bench_attention(sh, ("fwd",), False, 1, 2, upstream=(wrong, "fake"))
+    bad = [r for r in rows if r.impl == "flashmla"]
+    assert len(bad) == 1 and bad[0].ms is None and "differs from ours" in bad[0].note, bad
+    fn, where = flashmla()
+    if fn is None:
+        pytest.skip(f"FlashMLA is not importable here ({where})")
+    rows = bench_attention(sh, ("fwd",), False, 1, 3, upstream=(fn, where))
+    fm = [r for r in rows if r.impl == "flashmla"]
+    assert len(fm) == 1 and fm[0].ms is not None and math.isfinite(fm[0].tflops), fm
+    assert "within" in fm[0].note and where in fm[0].note
