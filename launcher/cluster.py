@@ -364,7 +364,6 @@ def _judge(cfg, st: ClusterStatus, gcs: dict) -> None:
     st.dashboard_ok, st.jobs = gcs.get("dashboard_ok", False), gcs.get("jobs")
     alive = {n["ip"]: n for n in gcs["nodes"] if n["state"] == "ALIVE"}
     dead = {n["ip"]: n for n in gcs["nodes"] if n["state"] == "DEAD"}
-    gpus, cpus = expected_gpus(cfg), expected_cpus(cfg)
     if not st.gcs_ok:
         st.problems.append(f"Ray GCS at {st.gcs}: {st.gcs_error}")
     for ns in st.nodes:
@@ -376,12 +375,7 @@ def _judge(cfg, st: ClusterStatus, gcs: dict) -> None:
         if st.gcs_ok and ns.gcs_state != "ALIVE":
             st.problems.append(f"{ns.ip} ({ns.role}): {'DEAD' if ns.gcs_state == 'DEAD' else 'not registered'} "
                                "in the Ray GCS")
-        if ns.gcs_state == "ALIVE":
-            have_gpu, have_cpu = ns.resources.get("GPU", 0), ns.resources.get("CPU", 0)
-            if have_gpu != gpus:
-                st.problems.append(f"{ns.ip}: Ray sees {have_gpu:g} GPU(s), expected {gpus}")
-            if cpus is not None and have_cpu != cpus:
-                st.problems.append(f"{ns.ip}: Ray sees {have_cpu:g} CPU(s), expected {cpus} (V4_RAY_NUM_CPUS)")
+        st.problems += _resource_problems(cfg, ns)
         for p in ns.procs:
             if not p["alive"] and p["name"] in ("raylet", "gcs_server"):
                 st.problems.append(f"{ns.ip}: {p['name']} (pid {p['pid']}, started by v4) is not running")
@@ -391,6 +385,20 @@ def _judge(cfg, st: ClusterStatus, gcs: dict) -> None:
         st.problems.append(f"{n['ip']} ({n['hostname']}): ALIVE in the Ray GCS but not in the cluster file")
     if st.gcs_ok and not st.dashboard_ok:
         st.problems.append(f"dashboard / Jobs API at {st.dashboard} does not answer")
+
+
+def _resource_problems(cfg, ns: NodeState) -> list[str]:
+    """How the resources Ray registered for a live node differ from what the configuration asks for."""
+    if ns.gcs_state != "ALIVE":
+        return []
+    gpus, cpus = expected_gpus(cfg), expected_cpus(cfg)
+    have_gpu, have_cpu = ns.resources.get("GPU", 0), ns.resources.get("CPU", 0)
+    problems = []
+    if have_gpu != gpus:
+        problems.append(f"{ns.ip}: Ray sees {have_gpu:g} GPU(s), expected {gpus}")
+    if cpus is not None and have_cpu != cpus:
+        problems.append(f"{ns.ip}: Ray sees {have_cpu:g} CPU(s), expected {cpus} (V4_RAY_NUM_CPUS)")
+    return problems
 
 
 def status(cfg, nodes: list[Node] | None = None, *, procs: bool = True) -> ClusterStatus:
@@ -458,14 +466,13 @@ def _on_node(node: Node, what: str, fn: Callable[[], Result]) -> Result:
 def _settled_problems_fix(cfg, st: ClusterStatus) -> str:
     """What to do about a cluster whose every Ray runs yet is not healthy (waiting would not change it)."""
     fixes = []
-    text = " ".join(st.problems)
-    if "Ray sees" in text:
+    if any(_resource_problems(cfg, ns) for ns in st.nodes):
         fixes.append("Ray was started with other resources than the configuration now asks for (V4_NUM_GPUS_PER_NODE, "
                      "V4_RAY_NUM_CPUS, --hw): `v4 cluster down`, then `v4 cluster up`")
     if st.extra_nodes:
         fixes.append(f"stop the Ray on {', '.join(n['ip'] for n in st.extra_nodes)} (it joined this GCS) or add it "
                      "to V4_WORKER_IPS")
-    if "dashboard" in text:
+    if st.gcs_ok and not st.dashboard_ok:
         fixes.append(f"read {ray_state_dir(cfg, st.head)}/session_latest/logs/dashboard.log on {st.head}; "
                      "`v4 cluster down`, then `v4 cluster up`")
     return "; ".join(fixes) or "`v4 cluster status` shows it; `v4 cluster down`, then `v4 cluster up` restarts everything"
