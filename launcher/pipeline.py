@@ -22,7 +22,7 @@ from pathlib import Path
 
 from launcher import gates as gating
 from launcher.config import Config
-from launcher.config.resolve import redact_set
+from launcher.config.resolve import shell_set
 from launcher.errors import (ConfigError, GateError, JobError, NonFiniteError, PreflightError, Timeout, NONFINITE,
                              TIMEOUT, V4Error)
 from launcher.plan import Plan, Step
@@ -122,12 +122,13 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
 
 
 def config_flags(cfg) -> list[str]:
-    """--cluster, --hw, every --env-file and --set (secret values shown as ***), quoted for a shell: what any
-    command we print needs to see the same configuration (V4_WORK among it decides where runs and stages live)."""
+    """--cluster, --hw, every --env-file and --set (a secret's value taken from the shell's variable of that name,
+    not printed), quoted for a shell: what any command we print needs to see the same configuration (V4_WORK among
+    it decides where runs and stages live)."""
     sel, q = cfg.selection, shlex.quote
     flags = [f"--cluster {q(sel.cluster)}", f"--hw {q(sel.hw)}"]
     flags += [f"--env-file {q(f)}" for f in sel.env_files]
-    return flags + [f"--set {q(redact_set(s))}" for s in sel.sets]
+    return flags + [f"--set {shell_set(s)}" for s in sel.sets]
 
 
 def selection_flags(cfg, *, preset: str | None = None, skip_checks=(), force: bool = False) -> list[str]:

@@ -12,6 +12,7 @@ import difflib
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -356,6 +357,16 @@ def redact_set(s: str) -> str:
     """A `--set KEY=VALUE` as it may be printed or saved: a secret key's value masked."""
     key, _, _ = s.partition("=")
     return f"{key}=***" if secret_name(key) else s
+
+
+def shell_set(s: str) -> str:
+    """A `--set KEY=VALUE` as a printed command's shell word: quoted; a secret key's value not shown but taken from
+    the shell's variable of that name, and the command refused by the shell while that is unset (so a pasted command
+    never sets the secret to a placeholder)."""
+    key, _, _ = s.partition("=")
+    if secret_name(key) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        return f'"{key}=${{{key}:?export {key} first: its value is not printed}}"'
+    return shlex.quote(redact_set(s))
 
 
 def _unknown_key_message(key: str, what: str) -> str:

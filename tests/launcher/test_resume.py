@@ -119,8 +119,10 @@ def test_rerun_command_keeps_every_flag_and_hides_secrets(tmp_path):
     cmd = pipeline.rerun_command(cfg, "--resume stageA-20260101-000000-0001", skip_checks=("ports", "disk"),
                                  force=True)
     assert cmd == (f"v4 run --preset smoke --cluster local --hw cpu --env-file {env} --set V4_WORK={tmp_path} "
-                   "--set V4_EXECUTOR=local --set 'V4_REDIS_PASSWORD=***' --skip-check ports --skip-check disk "
+                   "--set V4_EXECUTOR=local --set \"V4_REDIS_PASSWORD=${V4_REDIS_PASSWORD:?export V4_REDIS_PASSWORD "
+                   "first: its value is not printed}\" --skip-check ports --skip-check disk "
                    "--force --resume stageA-20260101-000000-0001")
+    assert "hunter2" not in cmd
     assert pipeline.rerun_command(cfg, preset="dryrun").startswith("v4 run --preset dryrun --cluster local")
 
 
@@ -259,12 +261,29 @@ def test_no_step_starts_after_the_run_was_stopped(tmp_path, capsys):
     assert run.step_status("weights")["status"] == "done" and run.step_status("prepare_data") == {}
     err = capsys.readouterr().err
     assert f"run {plan.run_id} STOPPED" in err
-    # the resume line keeps --skip-check and --force, and hides the secret
+    # the resume line keeps --skip-check and --force, and takes the secret from the shell instead of printing it
+    secret = '"V4_REDIS_PASSWORD=${V4_REDIS_PASSWORD:?export V4_REDIS_PASSWORD first: its value is not printed}"'
     assert (f"resume: v4 run --preset smoke --cluster local --hw cpu --set V4_WORK={tmp_path} --set V4_EXECUTOR=local "
-            f"--set 'V4_REDIS_PASSWORD=***' --skip-check ports --force --resume {plan.run_id}") in err
+            f"--set {secret} --skip-check ports --force --resume {plan.run_id}") in err
     assert (f"logs:   v4 runs logs {plan.run_id} --cluster local --hw cpu --set V4_WORK={tmp_path} "
-            "--set V4_EXECUTOR=local --set 'V4_REDIS_PASSWORD=***'") in err
+            f"--set V4_EXECUTOR=local --set {secret}") in err
     assert "hunter2" not in err and "hunter2" not in run.path("manifest.json").read_text()
+
+
+def test_a_printed_secret_set_pastes_as_the_value_in_the_shell_or_refuses():
+    """What a printed command's secret --set becomes when pasted into bash: the exported value, or an error (never
+    a placeholder taken as the password)."""
+    import subprocess
+    from launcher.config.resolve import shell_set
+    word = shell_set("V4_REDIS_PASSWORD=hunter2")
+    assert "hunter2" not in word
+    echo = ["bash", "-c", f"printf '%s' {word}"]
+    ok = subprocess.run(echo, env={"V4_REDIS_PASSWORD": "s3 cr$t'x", "PATH": os.environ["PATH"]},
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout == "V4_REDIS_PASSWORD=s3 cr$t'x"
+    unset = subprocess.run(echo, env={"PATH": os.environ["PATH"]}, capture_output=True, text=True)
+    assert unset.returncode != 0 and unset.stdout == "" and "export V4_REDIS_PASSWORD first" in unset.stderr
+    assert shell_set("V4_WORK=/a b") == "'V4_WORK=/a b'"
 
 
 @pytest.mark.parametrize("ignore_term", [False, True])
