@@ -39,19 +39,18 @@ H200_SMS = 132                  # the persistent forward's grid where no GPU say
 # TileLang pass configs, keyed by their string names so they mean the same thing across tilelang
 # versions. The backward must never run with aggressive shared-memory merge: on tilelang 0.1.9-0.1.10
 # it aliases a loop-carried buffer (tile-ai/tilelang#2199) and the gradients come out NaN.
-# The forward places its own barriers: TileLang's automatic partial syncs gave the producer warpgroup and
-# warpgroup 0 the same named-barrier id (3), and the two then release each other's bar.sync (a hang).
-FWD_PASS_CONFIGS: dict[str, object] = {"tl.disable_thread_storage_sync": True}
-WG0_BAR, WG1_BAR = 1, 2  # named barriers (bar.sync id, 128 threads) of warpgroups 0 and 1
-# The forward's running max moves only when a row's block max exceeds it by more than LAZY_RESCALE_LOG2 (base 2;
-# FlashAttention 4's lazy rescale): P stays <= 2^8, far from overflow in bf16 and in the fp32 sums, and O and l share the
-# stale max, so the result is the same up to rounding. A warp whose factors are all exactly 1 skips rescaling its O rows.
-LAZY_RESCALE_LOG2 = 8.0
-# CUDA prepended to the forward: 1 when some lane of the warp holds a row (r or r + 8 of a 64-row wgmma accumulator) whose
-# rescale factor is not 1. Warp-uniform, so the O rescale it guards is a branch, not 128 predicated multiplies.
-RESCALE_VOTE = r"""
-__device__ __forceinline__ int v4_any_rescale(const float* alpha) {
-  return __any_sync(0xffffffffu, (alpha[0] != 1.0f) | (alpha[1] != 1.0f));
+# The forward places its own barriers: TileLang's automatic partial syncs gave the producer warpgroup and a consumer
+# the same named-barrier id (3), and the two then release each other's bar.sync (a hang). Its gather issues cp.async by
+# address (CP_ASYNC16), each copy zero-filling a padded row; TileLang's safe-memory pass would wrap every copy in a
+# bounds check on the row index and skip the padded rows' copies, leaving stale shared memory where the zeros belong.
+FWD_PASS_CONFIGS: dict[str, object] = {"tl.disable_thread_storage_sync": True, "tl.disable_safe_memory_legalize": True}
+WG0_BAR, WG1_BAR, PAIR_BAR = 1, 2, 3   # named barriers (bar.sync id): warpgroup 0, warpgroup 1, both (256 threads)
+FWD_REGS = (208, 192, 104)             # setmaxnreg of warpgroups 0, 1 and the producer: at most 504 for 384 threads
+# CUDA prepended to the forward: 16 bytes global -> shared by cp.async, zero-filled when `pred` is false (src-size 0).
+CP_ASYNC16 = r"""
+__device__ __forceinline__ void v4_cp_async16(void* smem, const void* gmem, bool pred) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(pred ? 16 : 0) : "memory");
 }
 """
 # CUDA prepended to both kernels. TileLang builds without --use_fast_math, so T.exp2 is CUDA's exp2f: the MUFU.EX2 that
@@ -138,16 +137,17 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
     """Forward PrimFunc: (Q[B,S,H,D] bf16, KV[B,N,D] bf16, Idx[B,S,topk] i32, Sink[H] f32)
     -> (O[B,S,H,D] bf16, Lse2[B,S,H] f32). B, S, N are dynamic.
 
-    Persistent: `num_ctas` CTAs (one an SM) take the (batch, query, 64-head block) items in turn, so
-    one item's tail overlaps the next one's loads (as one CTA an item, Q and block 0 in and O out cost
-    ~5.8 us of a CTA's ~24 at V4-Flash, with nothing else running on the SM meanwhile).
-    Warp-specialized, 384 threads: warpgroup 2 gathers KV rows (predicated cp.async, two stages) and
-    their padding masks; warpgroup 0 computes scores over all of D, the online softmax and O[:, :D/2]
-    (P from its registers); warpgroup 1 computes O[:, D/2:] from the probabilities warpgroup 0 leaves
-    in shared memory. Splitting O keeps each accumulator at 64 x D/2 fp32 (128 registers a thread at
-    D = 512). Warpgroup 0 loads the next item's Q by TMA as soon as its last score GEMM has read Q,
-    and an item's O leaves through the stage of its last block (one TMA store a warpgroup); the
-    producer refills that stage with the next item's block 1 once the stores have read it."""
+    The schedule of FlashMLA's sm90 sparse prefill kernel, persistent. `num_ctas` CTAs (one an SM) take the (batch,
+    query, 64-head block) items in turn. 384 threads: warpgroups 0 and 1 score alternate 64-row blocks of an item over
+    all of D (block 2j in buffer 0 by warpgroup 0, 2j + 1 in buffer 1 by warpgroup 1), so one's score GEMMs run while
+    the other runs its softmax; the running max passes 0 -> 1 -> 0 through shared memory. Warpgroup 0 owns O[:, :D/2],
+    warpgroup 1 O[:, D/2:]: each applies its own block's P from registers (wgmma RS) to its half of that block's V and
+    the other's P from shared memory to its half of the other block. Warpgroup 0 hands its P over at its own block's
+    max; warpgroup 1 applies it at once, before its own softmax, and both then move to the pair's max. Each buffer is
+    two D-halves with their own ready/free mbarriers; warpgroup 2 refills the halves in the order they free up, 8
+    threads a 128-byte row segment, with the pair's row indices in registers (loaded a pair ahead) and without waiting
+    for its own copies (cp.async.mbarrier.arrive.noinc). An item's O leaves through the halves its warpgroup read last
+    (V1_l, V0_r), so the next item's Q is loaded as soon as both last score GEMMs have read Q."""
     import tilelang.language as T
 
     assert heads % HEAD_BLOCK == 0, f"heads={heads} must be a multiple of {HEAD_BLOCK} (pad on the host)"
@@ -156,14 +156,11 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
     B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
     HB, BI, D2 = HEAD_BLOCK, FWD_BLOCK, dim // 2
     rep = heads // HB
-    nb = topk // BI                    # blocks an item; even, so block nb - 1 is in stage 1
-    n_pairs = nb // 2
-    n_hand = nb + 1                    # P hand-offs an item: one a block, then the final scale
+    n_pairs = topk // BI // 2
     scale2 = sm_scale * LOG2E
     bf16, f32 = T.bfloat16, T.float32
     neg_big = -(2.0 ** 30)      # finite "no score yet": keeps (m_prev - m) free of inf - inf
-    def row_or_zero(KV, idx, N, b, d):
-        return T.if_then_else(valid(idx, N), KV[b, T.max(idx, 0), d], T.cast(0, bf16))
+    R0, R1, RP = FWD_REGS
 
     @T.macro
     def coords(item, c):
@@ -184,95 +181,50 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
         T.barrier_arrive(bar_q)
 
     @T.macro
-    def release(i, last_stage, empty):
-        # a consumer is done with block i's stage; an item's last stage stays taken: its O leaves through it
-        if last_stage:
-            if i < nb - 1:
-                T.barrier_arrive(empty)
-        else:
-            T.barrier_arrive(empty)
+    def half(KV, rows, N, b, dst, c0, free, ready, ph, g, t8):
+        # warpgroup 2 refills one D-half of a buffer: group g (8 threads, 16 B each of a 64-column tile) copies rows
+        # g, g + 16, g + 32, g + 48. Padded rows are zero-filled (src-size 0), never read (KV[-1] is out of bounds,
+        # and stale shared memory may hold NaN bit patterns that 0 * NaN would spread through P @ V). With a warp a
+        # row (512 B) and the row indices read from Idx at each copy, the kernel took 0.85-0.91 ms at V4-Flash.
+        T.barrier_wait(free, ph ^ 1)
+        for k in T.unroll(4):
+            for t in T.unroll(D2 // 64):
+                T.call_extern("handle", "v4_cp_async16", T.address_of(dst[g + 16 * k, t * 64 + t8 * 8]),
+                              T.address_of(KV[b, T.max(rows[k], 0), c0 + t * 64 + t8 * 8]), valid(rows[k], N))
+        T.cp_async_barrier_noinc(ready)
 
     @T.macro
-    def scores_and_pv_l(N, i, hand, last_stage, Q, nxt, b1, s1, h1, q_l, q_r, kv_l, kv_r, mask, full, empty, phase,
-                        acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full, p_empty, p_loc, bar_q):
-        # warpgroup 0, block i: scores, online softmax, hand P to warpgroup 1, O_l += P @ V_l with P from
-        # registers (wgmma RS: no wait for its own rows of p_sh; 5 % faster than reading them back)
-        T.barrier_wait(full, phase)
-        for h, j in T.Parallel(HB, BI):
-            acc_s[h, j] = mask[j]                     # 0 or -inf: padding masked before the scores land
-        T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.wait_wgmma(0)
-        if last_stage:
-            if i == nb - 1:
-                if nxt != 0:                          # Q is read: the next item's Q goes in under this one's tail
-                    load_q(Q, b1, s1, h1, q_l, q_r, bar_q)
-        T.copy(m, m_prev)
-        T.call_extern("handle", f"v4_row_reduce<{BI}, true>", acc_s.data, m.data)
-        for h in T.Parallel(HB):
-            m[h] = T.if_then_else((m[h] - m_prev[h]) * scale2 > LAZY_RESCALE_LOG2, m[h], m_prev[h])
-            alpha[h] = ex2((m_prev[h] - m[h]) * scale2)
-        for h, j in T.Parallel(HB, BI):
-            acc_s[h, j] = ex2(acc_s[h, j] * scale2 - m[h] * scale2)
-        T.call_extern("handle", f"v4_row_reduce<{BI}, false>", acc_s.data, l_blk.data)
-        for h in T.Parallel(HB):
-            l[h] = l[h] * alpha[h] + l_blk[h]
-        rescale = T.alloc_var(T.int32)
-        rescale = T.call_extern("int32", "v4_any_rescale", alpha.data)
-        if rescale != 0:
-            for h, d in T.Parallel(HB, D2):
-                acc_o_l[h, d] *= alpha[h]
-        T.copy(acc_s, p_loc)
-        # this warpgroup's P.V goes into the tensor queue before it hands P to warpgroup 1, so its wait does not
-        # include warpgroup 1's half (with the lazy rescale: 2.2 % less time, 6 of 6 interleaved pairs)
-        T.wgmma_gemm(p_loc, kv_l, acc_o_l, policy=T.GemmWarpPolicy.FullRow)
-        T.barrier_wait(p_empty, (hand & 1) ^ 1)       # warpgroup 1 is done with the previous hand-off
-        T.copy(p_loc, p_sh)
-        T.copy(alpha, alpha_sh)
-        T.fence_proxy_async()                         # p_sh is read by wgmma (async proxy)
-        T.barrier_arrive(p_full)
-        T.wait_wgmma(0)
-        release(i, last_stage, empty)
-
-    @T.macro
-    def pv_r(i, hand, last_stage, kv_r, empty, acc_o_r, p_sh, alpha_sh, alpha_r, p_full, p_empty):
-        # warpgroup 1, block i: O_r = O_r * alpha + P @ V_r
-        T.barrier_wait(p_full, hand & 1)
-        for h in T.Parallel(HB):
-            alpha_r[h] = alpha_sh[h]
-        rescale = T.alloc_var(T.int32)
-        rescale = T.call_extern("int32", "v4_any_rescale", alpha_r.data)
-        if rescale != 0:
-            for h, d in T.Parallel(HB, D2):
-                acc_o_r[h, d] *= alpha_r[h]
-        T.gemm(p_sh, kv_r, acc_o_r, policy=T.GemmWarpPolicy.FullRow)
-        release(i, last_stage, empty)
-        T.barrier_arrive(p_empty)
-
-    @T.macro
-    def gather(KV, Idx, N, b, s, i, kv_l, kv_r, mask, full, empty, phase):
-        # warpgroup 2: one warp per half row, 16 B a thread. Padded rows are zero-filled by predicated
-        # cp.async, never read (KV[-1] is out of bounds, and stale shared memory may hold NaN bit
-        # patterns that 0 * NaN would spread through P @ V); `mask` tells the consumers which they are.
-        T.barrier_wait(empty, phase ^ 1)
+    def put_mask(Idx, N, b, s, i, mask, mfull):
+        # 0 / -inf a slot, beside the buffer: the scoring warpgroup starts its scores from it
         for j in T.Parallel(BI):
             mask[j] = T.if_then_else(valid(Idx[b, s, i * BI + j], N), 0, -T.infinity(f32))
-        for j, d in T.Parallel(BI, D2, annotations={"parallel_prefer_async": True}):
-            kv_l[j, d] = row_or_zero(KV, Idx[b, s, i * BI + j], N, b, d)
-            kv_r[j, d] = row_or_zero(KV, Idx[b, s, i * BI + j], N, b, D2 + d)
-        # the loop ends with cp.async.wait_all: the rows are in place; publish them to the wgmma readers
-        T.fence_proxy_async()
-        T.barrier_arrive(full)
+        T.barrier_arrive(mfull)
 
     @T.macro
-    def store_o(acc_o, o_sh, O, b, s, h0, c0, bar_id, empty):
-        # an item's O leaves through its last stage (free once this warpgroup's P.V is done) by TMA store;
-        # the stage is released once the store has read it (written from the registers, O took 14 % longer)
+    def softmax(acc_s, m, m_prev, l_blk):
+        # fold the block's row max into m (base-2 exponent = score * scale2), P = exp2(s - m) in place, its row sums
+        T.call_extern("handle", f"v4_row_reduce<{BI}, true>", acc_s.data, m.data)
+        for h, c in T.Parallel(HB, BI):
+            acc_s[h, c] = ex2(acc_s[h, c] * scale2 - m[h] * scale2)
+        T.call_extern("handle", f"v4_row_reduce<{BI}, false>", acc_s.data, l_blk.data)
+
+    @T.macro
+    def finish(acc_o, m, m_fin, f, l, l_other, Sink, h0):
+        # fold in the sink (M = max(m, sink) keeps rows with no valid slot finite) and normalise
+        for h in T.Parallel(HB):
+            m_fin[h] = T.max(m[h] * scale2, Sink[h0 + h] * LOG2E)               # final max, base 2
+            f[h] = T.exp2(m[h] * scale2 - m_fin[h])
+            l[h] = (l[h] + l_other[h]) * f[h] + T.exp2(Sink[h0 + h] * LOG2E - m_fin[h])
+            f[h] = T.if_then_else(l[h] > 0, f[h] / l[h], 0)        # l == 0 only if no slot and sink = -inf
+        for h, d in T.Parallel(HB, D2):
+            acc_o[h, d] *= f[h]
+
+    @T.macro
+    def store_o(acc_o, o_sh, O, b, s, h0, c0, bar_id):
         T.copy(acc_o, o_sh)
         T.fence_proxy_async()
         T.sync_threads(bar_id, 128)
-        T.copy(o_sh, O[b, s, h0:h0 + HB, c0:c0 + D2])
-        T.barrier_arrive(empty)
+        T.copy(o_sh, O[b, s, h0:h0 + HB, c0:c0 + D2])     # TMA store; its issuing thread waits until it has read o_sh
 
     @T.prim_func
     def sparse_attn_fwd(
@@ -283,107 +235,212 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
         O: T.Tensor([B, S, heads, dim], bf16),
         Lse: T.Tensor([B, S, heads], f32),
     ):
-        with T.Kernel(num_ctas, threads=384, prelude=RESCALE_VOTE + FAST_EX2 + ROW_REDUCE) as cta:
+        with T.Kernel(num_ctas, threads=384, prelude=FAST_EX2 + ROW_REDUCE + CP_ASYNC16) as cta:
             q_l = T.alloc_shared([HB, D2], bf16)
             q_r = T.alloc_shared([HB, D2], bf16)
-            kv0_l = T.alloc_shared([BI, D2], bf16)
-            kv0_r = T.alloc_shared([BI, D2], bf16)
-            kv1_l = T.alloc_shared([BI, D2], bf16)
-            kv1_r = T.alloc_shared([BI, D2], bf16)
-            p_sh = T.alloc_shared([HB, BI], bf16)
-            alpha_sh = T.alloc_shared([HB], f32)
+            k0_l = T.alloc_shared([BI, D2], bf16)
+            k0_r = T.alloc_shared([BI, D2], bf16)
+            k1_l = T.alloc_shared([BI, D2], bf16)
+            k1_r = T.alloc_shared([BI, D2], bf16)
+            p0_sh = T.alloc_shared([HB, BI], bf16)
+            p1_sh = T.alloc_shared([HB, BI], bf16)
+            m_sh = T.alloc_shared([HB], f32)
+            l_sh0 = T.alloc_shared([HB], f32)
+            l_sh1 = T.alloc_shared([HB], f32)
             mask0 = T.alloc_shared([BI], f32)
             mask1 = T.alloc_shared([BI], f32)
 
-            acc_s = T.alloc_fragment([HB, BI], f32)
-            p_loc = T.alloc_fragment([HB, BI], bf16)
-            acc_o_l = T.alloc_fragment([HB, D2], f32)
-            acc_o_r = T.alloc_fragment([HB, D2], f32)
-            m = T.alloc_fragment([HB], f32)
-            m_prev = T.alloc_fragment([HB], f32)
-            alpha = T.alloc_fragment([HB], f32)
-            alpha_r = T.alloc_fragment([HB], f32)         # warpgroup 1's copy of alpha_sh
-            l = T.alloc_fragment([HB], f32)
-            l_blk = T.alloc_fragment([HB], f32)
+            # each warpgroup its own fragments: given one set, TileLang dropped the second warpgroup's statements
+            acc_s0 = T.alloc_fragment([HB, BI], f32)
+            p0 = T.alloc_fragment([HB, BI], bf16)
+            acc_o0 = T.alloc_fragment([HB, D2], f32)
+            m0 = T.alloc_fragment([HB], f32)
+            mo0 = T.alloc_fragment([HB], f32)
+            f0 = T.alloc_fragment([HB], f32)
+            l0 = T.alloc_fragment([HB], f32)
+            lb0 = T.alloc_fragment([HB], f32)
+            acc_s1 = T.alloc_fragment([HB, BI], f32)
+            p1 = T.alloc_fragment([HB, BI], bf16)
+            acc_o1 = T.alloc_fragment([HB, D2], f32)
+            m1 = T.alloc_fragment([HB], f32)
+            mo1 = T.alloc_fragment([HB], f32)
+            f1 = T.alloc_fragment([HB], f32)
+            l1 = T.alloc_fragment([HB], f32)
+            lb1 = T.alloc_fragment([HB], f32)
             crd = T.alloc_local([3], T.int32)             # this item's (b, s, h0)
-            crd1 = T.alloc_local([3], T.int32)            # the next one's
+            rows0 = T.alloc_local([4], T.int32)           # the producer's rows of the next pair's two blocks
+            rows1 = T.alloc_local([4], T.int32)
+            cur0 = T.alloc_local([4], T.int32)            # and of this pair's
+            cur1 = T.alloc_local([4], T.int32)
 
             bar_q = T.alloc_barrier(arrive_count=128)
-            full0 = T.alloc_barrier(arrive_count=128)
-            full1 = T.alloc_barrier(arrive_count=128)
-            empty0 = T.alloc_barrier(arrive_count=256)
-            empty1 = T.alloc_barrier(arrive_count=256)
-            p_full = T.alloc_barrier(arrive_count=128)
-            p_empty = T.alloc_barrier(arrive_count=128)
+            q_free = T.alloc_barrier(arrive_count=256)    # both last score GEMMs of an item have read Q
+            r0l = T.alloc_barrier(arrive_count=128)       # a half landed: the producer's threads' copies (noinc)
+            r0r = T.alloc_barrier(arrive_count=128)
+            r1l = T.alloc_barrier(arrive_count=128)
+            r1r = T.alloc_barrier(arrive_count=128)
+            fr0l = T.alloc_barrier(arrive_count=128)      # a half's last reader is done with it
+            fr0r = T.alloc_barrier(arrive_count=128)
+            fr1l = T.alloc_barrier(arrive_count=128)
+            fr1r = T.alloc_barrier(arrive_count=128)
+            mf0 = T.alloc_barrier(arrive_count=128)       # a buffer's mask is written
+            mf1 = T.alloc_barrier(arrive_count=128)
+            max0 = T.alloc_barrier(arrive_count=128)      # warpgroup 0's max and P are in m_sh, p0_sh
+            max1 = T.alloc_barrier(arrive_count=128)      # warpgroup 1's (the pair's max) and P are in m_sh, p1_sh
+            p0_free = T.alloc_barrier(arrive_count=128)   # warpgroup 1 is done with p0_sh
 
             tx = T.get_thread_binding()
             n_mine = (B * S * rep - cta + num_ctas - 1) // num_ctas     # items cta, cta + num_ctas, ...
-            # Barrier phases count uses: stage k's (it * n_pairs + k)-th, the P buffer's (it * n_hand + i)-th.
+            # Every barrier but bar_q and q_free completes once a pair: its phase is the CTA's pair count & 1.
 
             # setmaxnreg only moves registers inside the CTA's launch allocation (168 x 384): the three
             # warpgroups' targets must sum to at most 504 a thread, or an increase waits forever.
             if tx >= 256:                                     # producer
-                T.set_max_nreg(64, 0)
-                if n_mine > 0:                                # the first item's Q (later ones: warpgroup 0)
+                T.set_max_nreg(RP, 0)
+                g, t8 = (tx - 256) // 8, tx % 8
+                if n_mine > 0:                                # the first item's Q (later ones: after q_free)
                     coords(cta, crd)
                     load_q(Q, crd[0], crd[1], crd[2], q_l, q_r, bar_q)
                 for it in T.serial(n_mine):
                     coords(cta + it * num_ctas, crd)
                     b, s = crd[0], crd[1]
-                    for k in T.serial(n_pairs):
-                        ph = (it * n_pairs + k) & 1
-                        gather(KV, Idx, N, b, s, 2 * k, kv0_l, kv0_r, mask0, full0, empty0, ph)
-                        gather(KV, Idx, N, b, s, 2 * k + 1, kv1_l, kv1_r, mask1, full1, empty1, ph)
-            elif tx < 128:
-                T.set_max_nreg(240, 1)
+                    for k in T.unroll(4):
+                        rows0[k] = Idx[b, s, g + 16 * k]
+                        rows1[k] = Idx[b, s, BI + g + 16 * k]
+                    for j in T.serial(n_pairs):
+                        ph = (it * n_pairs + j) & 1
+                        for k in T.unroll(4):
+                            cur0[k] = rows0[k]
+                            cur1[k] = rows1[k]
+                        # block 2j -> buffer 0, 2j + 1 -> buffer 1, the halves in the order they free up
+                        half(KV, cur0, N, b, k0_l, 0, fr0l, r0l, ph, g, t8)
+                        put_mask(Idx, N, b, s, 2 * j, mask0, mf0)
+                        half(KV, cur1, N, b, k1_r, D2, fr1r, r1r, ph, g, t8)
+                        put_mask(Idx, N, b, s, 2 * j + 1, mask1, mf1)
+                        if j == 0:
+                            if it > 0:
+                                T.barrier_wait(q_free, (it - 1) & 1)
+                                load_q(Q, b, s, crd[2], q_l, q_r, bar_q)
+                        if j + 1 < n_pairs:
+                            for k in T.unroll(4):
+                                rows0[k] = Idx[b, s, (2 * j + 2) * BI + g + 16 * k]
+                                rows1[k] = Idx[b, s, (2 * j + 3) * BI + g + 16 * k]
+                        half(KV, cur0, N, b, k0_r, D2, fr0r, r0r, ph, g, t8)
+                        half(KV, cur1, N, b, k1_l, 0, fr1l, r1l, ph, g, t8)
+            elif tx < 128:                                    # warpgroup 0: even blocks, O[:, :D/2]
+                T.set_max_nreg(R0, 1)
                 for it in T.serial(n_mine):
                     coords(cta + it * num_ctas, crd)
-                    b, s, h0 = crd[0], crd[1], crd[2]
-                    nxt = T.if_then_else(it + 1 < n_mine, 1, 0)
-                    coords(cta + (it + 1) * num_ctas, crd1)
-                    b1, s1, h1 = crd1[0], crd1[1], crd1[2]
-                    T.fill(m, neg_big)
-                    T.fill(l, 0)
-                    T.fill(acc_o_l, 0)
+                    T.fill(m0, neg_big)
+                    T.fill(l0, 0)
+                    T.fill(acc_o0, 0)
                     T.barrier_wait(bar_q, it & 1)
-                    for k in T.serial(n_pairs):
-                        ph = (it * n_pairs + k) & 1
-                        hand = it * n_hand + 2 * k
-                        scores_and_pv_l(N, 2 * k, hand, False, Q, nxt, b1, s1, h1, q_l, q_r, kv0_l, kv0_r, mask0, full0,
-                                        empty0, ph, acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh, p_full,
-                                        p_empty, p_loc, bar_q)
-                        scores_and_pv_l(N, 2 * k + 1, hand + 1, True, Q, nxt, b1, s1, h1, q_l, q_r, kv1_l, kv1_r, mask1,
-                                        full1, empty1, ph, acc_s, m, m_prev, alpha, l, l_blk, acc_o_l, p_sh, alpha_sh,
-                                        p_full, p_empty, p_loc, bar_q)
-                    # fold in the sink: M = max(m, sink) keeps rows with no valid slot finite
+                    for j in T.serial(n_pairs):
+                        ph = (it * n_pairs + j) & 1
+                        T.barrier_wait(mf0, ph)
+                        for h, c in T.Parallel(HB, BI):
+                            acc_s0[h, c] = mask0[c]               # 0 or -inf: padding masked before the scores land
+                        T.barrier_wait(r0l, ph)
+                        T.wgmma_gemm(q_l, k0_l, acc_s0, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        if j > 0:
+                            T.wait_wgmma(1)                       # the last pair's O += P1 @ V1_l: V1_l is free
+                            T.barrier_arrive(fr1l)
+                        T.barrier_wait(r0r, ph)
+                        T.wgmma_gemm(q_r, k0_r, acc_s0, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        if j == n_pairs - 1:
+                            T.barrier_arrive(q_free)
+                        T.copy(m0, mo0)
+                        softmax(acc_s0, m0, mo0, lb0)
+                        for h in T.Parallel(HB):
+                            f0[h] = ex2((mo0[h] - m0[h]) * scale2)
+                            l0[h] = l0[h] * f0[h] + lb0[h]
+                        T.copy(acc_s0, p0)
+                        # P0 at this block's max goes out at once: warpgroup 1 applies it to V0_r before its own
+                        # softmax and frees V0_r early (in FlashMLA's order it frees last, with 10 % of the time)
+                        if it * n_pairs + j > 0:
+                            T.barrier_wait(p0_free, ph ^ 1)
+                        T.copy(p0, p0_sh)
+                        T.copy(m0, m_sh)
+                        T.fence_proxy_async()                 # p0_sh is read by wgmma (async proxy)
+                        T.barrier_arrive(max0)
+                        for h, d in T.Parallel(HB, D2):
+                            acc_o0[h, d] *= f0[h]
+                        T.wgmma_gemm(p0, k0_l, acc_o0, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(fr0l)
+                        T.barrier_wait(max1, ph)              # the pair's max and P1, from warpgroup 1
+                        for h in T.Parallel(HB):
+                            mo0[h] = m_sh[h]
+                            f0[h] = ex2((m0[h] - mo0[h]) * scale2)
+                            m0[h] = mo0[h]
+                            l0[h] = l0[h] * f0[h]
+                        for h, d in T.Parallel(HB, D2):
+                            acc_o0[h, d] *= f0[h]
+                        T.wgmma_gemm(p1_sh, k1_l, acc_o0, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(0)
+                    T.copy(l0, l_sh0)
+                    T.sync_threads(PAIR_BAR, 256)
+                    finish(acc_o0, m0, mo0, f0, l0, l_sh1, Sink, crd[2])
                     for h in T.Parallel(HB):
-                        m_prev[h] = T.max(m[h] * scale2, Sink[h0 + h] * LOG2E)        # final max, base 2
-                        alpha[h] = T.exp2(m[h] * scale2 - m_prev[h])
-                        l[h] = l[h] * alpha[h] + T.exp2(Sink[h0 + h] * LOG2E - m_prev[h])
-                        alpha[h] = T.if_then_else(l[h] > 0, alpha[h] / l[h], 0)      # l == 0 only if no slot and sink = -inf
-                        Lse[b, s, h0 + h] = T.if_then_else(l[h] > 0, m_prev[h] + T.log2(l[h]), m_prev[h])
-                    for h, d in T.Parallel(HB, D2):
-                        acc_o_l[h, d] *= alpha[h]
-                    T.barrier_wait(p_empty, ((it * n_hand + nb) & 1) ^ 1)
-                    T.copy(alpha, alpha_sh)
-                    T.barrier_arrive(p_full)
-                    store_o(acc_o_l, kv1_l, O, b, s, h0, 0, WG0_BAR, empty1)
-            else:
-                T.set_max_nreg(200, 1)
+                        Lse[crd[0], crd[1], crd[2] + h] = T.if_then_else(l0[h] > 0, mo0[h] + T.log2(l0[h]), mo0[h])
+                    # O leaves through V1_l (its last reader was this warpgroup's P1 @ V1_l), which is then refilled
+                    store_o(acc_o0, k1_l, O, crd[0], crd[1], crd[2], 0, WG0_BAR)
+                    T.barrier_arrive(fr1l)
+            else:                                             # warpgroup 1: odd blocks, O[:, D/2:]
+                T.set_max_nreg(R1, 1)
                 for it in T.serial(n_mine):
                     coords(cta + it * num_ctas, crd)
-                    T.fill(acc_o_r, 0)
-                    for k in T.serial(n_pairs):
-                        hand = it * n_hand + 2 * k
-                        pv_r(2 * k, hand, False, kv0_r, empty0, acc_o_r, p_sh, alpha_sh, alpha_r, p_full, p_empty)
-                        pv_r(2 * k + 1, hand + 1, True, kv1_r, empty1, acc_o_r, p_sh, alpha_sh, alpha_r, p_full, p_empty)
-                    T.barrier_wait(p_full, (it * n_hand + nb) & 1)
-                    for h in T.Parallel(HB):
-                        alpha_r[h] = alpha_sh[h]
-                    T.barrier_arrive(p_empty)                 # the next item's hand-offs may begin
-                    for h, d in T.Parallel(HB, D2):
-                        acc_o_r[h, d] *= alpha_r[h]
-                    store_o(acc_o_r, kv1_r, O, crd[0], crd[1], crd[2], D2, WG1_BAR, empty1)
+                    T.fill(m1, neg_big)
+                    T.fill(l1, 0)
+                    T.fill(acc_o1, 0)
+                    T.barrier_wait(bar_q, it & 1)
+                    for j in T.serial(n_pairs):
+                        ph = (it * n_pairs + j) & 1
+                        T.barrier_wait(mf1, ph)
+                        for h, c in T.Parallel(HB, BI):
+                            acc_s1[h, c] = mask1[c]
+                        T.barrier_wait(r1r, ph)
+                        T.wgmma_gemm(q_r, k1_r, acc_s1, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.barrier_wait(r1l, ph)
+                        T.wgmma_gemm(q_l, k1_l, acc_s1, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        if j == n_pairs - 1:
+                            T.barrier_arrive(q_free)
+                        T.barrier_wait(max0, ph)              # warpgroup 0's max and P0
+                        T.copy(m1, mo1)
+                        for h in T.Parallel(HB):
+                            m1[h] = m_sh[h]
+                            f1[h] = ex2((mo1[h] - m1[h]) * scale2)
+                            l1[h] = l1[h] * f1[h]
+                        for h, d in T.Parallel(HB, D2):
+                            acc_o1[h, d] *= f1[h]
+                        T.wgmma_gemm(p0_sh, k0_r, acc_o1, policy=T.GemmWarpPolicy.FullRow)
+                        T.copy(m1, mo1)
+                        softmax(acc_s1, m1, mo1, lb1)
+                        T.copy(acc_s1, p1)
+                        T.copy(p1, p1_sh)
+                        T.copy(m1, m_sh)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(max1)
+                        for h in T.Parallel(HB):
+                            f1[h] = ex2((mo1[h] - m1[h]) * scale2)
+                        T.wait_wgmma(0)                       # O1 += P0 @ V0_r is done
+                        if j < n_pairs - 1:                   # (an item's last V0_r frees once O has left through it)
+                            T.barrier_arrive(fr0r)
+                        T.barrier_arrive(p0_free)
+                        for h in T.Parallel(HB):
+                            l1[h] = l1[h] * f1[h] + lb1[h]
+                        for h, d in T.Parallel(HB, D2):
+                            acc_o1[h, d] *= f1[h]
+                        T.wgmma_gemm(p1, k1_r, acc_o1, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(fr1r)
+                    T.copy(l1, l_sh1)
+                    T.sync_threads(PAIR_BAR, 256)
+                    finish(acc_o1, m1, mo1, f1, l1, l_sh0, Sink, crd[2])
+                    store_o(acc_o1, k0_r, O, crd[0], crd[1], crd[2], D2, WG1_BAR)
+                    T.barrier_arrive(fr0r)
     return sparse_attn_fwd
 
 
