@@ -275,8 +275,9 @@ def bench_kernels(shapes, ops, no_torch, upstream, indexer, warmup, iters, as_js
         rows += bench_indexer(warmup, iters)
     with_speedups(rows)
     report = {"device": torch.cuda.get_device_name(),
-              "flashmla": {"module": fm_where} if fm else {"module": None, "why_not": fm_where}, "flops": {"fwd": FWD_FLOPS, "bwd": BWD_FLOPS,
-              "indexer": "2*B*S*N*Hi*Di"}, "shapes": shapes_used, "rows": [asdict(r) for r in rows]}
+              "flashmla": {"module": fm_where} if fm else {"module": None, "why_not": fm_where},
+              "flops": {"fwd": FWD_FLOPS, "bwd": BWD_FLOPS, "indexer": "2*B*S*N*Hi*Di"},
+              "shapes": shapes_used, "rows": [asdict(r) for r in rows]}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
