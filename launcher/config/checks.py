@@ -283,23 +283,27 @@ def _check_site(cfg: Config, errors: list[str]) -> None:
     _check_names(cfg, errors)
 
 
+def _valid_port(port: int) -> bool:
+    return 0 < port < 65536
+
+
 def _check_ports_paths(cfg: Config, errors: list[str]) -> None:
     v = cfg.values
     for key in ALWAYS_PORT_KEYS:
-        if not 0 < v[key] < 65536:
+        if not _valid_port(v[key]):
             errors.append(f"{at(cfg, key)} is not a valid port (1-65535)")
+    for key in PORT_KEYS:
+        if v[key] and not _valid_port(v[key]):
+            errors.append(f"{at(cfg, key)} is not a valid port (1-65535, or 0 for unused)")
+    # the ports the head listens on, sshd's among them, must differ (an invalid one is reported above)
     seen: dict[int, str] = {}
     for key in (*PORT_KEYS, "V4_SSH_PORT"):
-        port = v[key]
-        if not port:
+        if not _valid_port(v[key]):
             continue
-        if not 0 < port < 65536:
-            if key in PORT_KEYS:
-                errors.append(f"{at(cfg, key)} is not a valid port (1-65535, or 0 for unused)")
-        elif port in seen:
-            errors.append(f"{at(cfg, key)} collides with {at(cfg, seen[port])}")
+        if v[key] in seen:
+            errors.append(f"{at(cfg, key)} collides with {at(cfg, seen[v[key]])}")
         else:
-            seen[port] = key
+            seen[v[key]] = key
     for key, spec in SCHEMA.items():
         if spec.required and not v[key].strip():
             errors.append(f"{at(cfg, key)} is empty, but it is required ({spec.doc}; paths built from it "
