@@ -226,6 +226,11 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
         T.sync_threads(bar_id, 128)
         T.copy(o_sh, O[b, s, h0:h0 + HB, c0:c0 + D2])     # TMA store; its issuing thread waits until it has read o_sh
 
+    def consumer_fragments():
+        # a consumer warpgroup's scores, P, half of O, and per-row max, previous max, factor, sum, block sum
+        return (T.alloc_fragment([HB, BI], f32), T.alloc_fragment([HB, BI], bf16), T.alloc_fragment([HB, D2], f32),
+                *(T.alloc_fragment([HB], f32) for _ in range(5)))
+
     @T.prim_func
     def sparse_attn_fwd(
         Q: T.Tensor([B, S, heads, dim], bf16),
@@ -251,22 +256,8 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
             mask1 = T.alloc_shared([BI], f32)
 
             # each warpgroup its own fragments: given one set, TileLang dropped the second warpgroup's statements
-            acc_s0 = T.alloc_fragment([HB, BI], f32)
-            p0 = T.alloc_fragment([HB, BI], bf16)
-            acc_o0 = T.alloc_fragment([HB, D2], f32)
-            m0 = T.alloc_fragment([HB], f32)
-            mo0 = T.alloc_fragment([HB], f32)
-            f0 = T.alloc_fragment([HB], f32)
-            l0 = T.alloc_fragment([HB], f32)
-            lb0 = T.alloc_fragment([HB], f32)
-            acc_s1 = T.alloc_fragment([HB, BI], f32)
-            p1 = T.alloc_fragment([HB, BI], bf16)
-            acc_o1 = T.alloc_fragment([HB, D2], f32)
-            m1 = T.alloc_fragment([HB], f32)
-            mo1 = T.alloc_fragment([HB], f32)
-            f1 = T.alloc_fragment([HB], f32)
-            l1 = T.alloc_fragment([HB], f32)
-            lb1 = T.alloc_fragment([HB], f32)
+            acc_s0, p0, acc_o0, m0, mo0, f0, l0, lb0 = consumer_fragments()
+            acc_s1, p1, acc_o1, m1, mo1, f1, l1, lb1 = consumer_fragments()
             crd = T.alloc_local([3], T.int32)             # this item's (b, s, h0)
             rows0 = T.alloc_local([4], T.int32)           # the producer's rows of the next pair's two blocks
             rows1 = T.alloc_local([4], T.int32)
