@@ -37,7 +37,9 @@ def test_sparse_attn_fwd_lowers_warp_specialized_with_zero_fill_gather():
     assert calls and not any(guard for _, guard in calls), "the KV gather's copies are guarded by a bounds check"
     assert "mbarrier_cp_async_arrive_noinc" in src, "the producer waits for its own copies again"
     assert "warpgroup_reg_alloc" in src and "warpgroup_reg_dealloc" in src
-    assert "tma_load(Q_desc" in src, "forward no longer loads Q by TMA"
+    # Q by TMA; Q and O pass through once: evict-first, so they do not push the gathered KV rows out of L2
+    assert re.search(r"tma_load<[^>]*EVICT_FIRST>\(Q_desc", src), "Q is no longer loaded by TMA, evict-first"
+    assert re.search(r"tma_store<[^>]*EVICT_FIRST>\(O_desc", src), "O is no longer stored evict-first"
 
 
 @pytest.mark.parametrize("heads,dim,topk", [(128, 512, 1024), (64, 128, 128)])
