@@ -302,6 +302,11 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
                     for k in T.unroll(4):
                         rows0[k] = Idx[b, s, g + 16 * k]
                         rows1[k] = Idx[b, s, BI + g + 16 * k]
+                    if it > 0:
+                        # Q first: both last score GEMMs of the item before have read it (before V0_l frees), and
+                        # loaded behind this item's first halves it arrived late (1.2 % slower at V4-Flash)
+                        T.barrier_wait(q_free, (it - 1) & 1)
+                        load_q(Q, b, s, crd[2], q_l, q_r, bar_q)
                     for j in T.serial(n_pairs):
                         ph = (it * n_pairs + j) & 1
                         for k in T.unroll(4):
@@ -312,10 +317,6 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
                         put_mask(Idx, N, b, s, 2 * j, mask0, mf0)
                         half(KV, cur1, N, b, k1_r, D2, fr1r, r1r, ph, g, t8)
                         put_mask(Idx, N, b, s, 2 * j + 1, mask1, mf1)
-                        if j == 0:
-                            if it > 0:
-                                T.barrier_wait(q_free, (it - 1) & 1)
-                                load_q(Q, b, s, crd[2], q_l, q_r, bar_q)
                         if j + 1 < n_pairs:
                             for k in T.unroll(4):
                                 rows0[k] = Idx[b, s, (2 * j + 2) * BI + g + 16 * k]
