@@ -46,7 +46,8 @@ H200_SMS = 132                  # the persistent forward's grid where no GPU say
 FWD_PASS_CONFIGS: dict[str, object] = {"tl.disable_thread_storage_sync": True, "tl.disable_safe_memory_legalize": True}
 WG0_BAR, WG1_BAR, PAIR_BAR = 1, 2, 3   # named barriers (bar.sync id): warpgroup 0, warpgroup 1, both (256 threads)
 # setmaxnreg of warpgroups 0, 1 and the producer: at most 504 for 384 threads. Warpgroup 1 (which applies P0 before its
-# own softmax) runs faster with more: 1.3-2.3 % at V4-Flash over (208, 192, 104), on three H200s; (216, 184) spills.
+# own softmax) runs faster with more: 1.3-2.0 % less time at V4-Flash with (200, 200, 104) than (208, 192, 104), and
+# (200, 208, 96) with the evict-first Q and O below 2.2-3.0 %; with 184 for either consumer ptxas spills.
 FWD_REGS = (200, 208, 96)
 # CUDA prepended to the forward: 16 bytes global -> shared by cp.async, zero-filled when `pred` is false (src-size 0).
 CP_ASYNC16 = r"""
@@ -149,7 +150,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
     two D-halves with their own ready/free mbarriers; warpgroup 2 refills the halves in the order they free up, 8
     threads a 128-byte row segment, with the pair's row indices in registers (loaded a pair ahead) and without waiting
     for its own copies (cp.async.mbarrier.arrive.noinc). An item's O leaves through the halves its warpgroup read last
-    (V1_l, V0_r), so the next item's Q is loaded as soon as both last score GEMMs have read Q."""
+    (V1_l, V0_r); the next item's Q is loaded first, as soon as both last score GEMMs have read Q."""
     import tilelang.language as T
 
     assert heads % HEAD_BLOCK == 0, f"heads={heads} must be a multiple of {HEAD_BLOCK} (pad on the host)"
@@ -175,7 +176,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
     @T.macro
     def load_q(Q, b, s, h0, q_l, q_r, bar_q):
         # one thread issues 64-column boxes (Q copied by the producer's threads cost 1.5-4 % more). Q and O are read
-        # or written once: evict-first keeps L2 for the KV rows every query gathers from (0.5-0.8 % faster)
+        # or written once: evict-first keeps L2 for the KV rows every query gathers from (0.3-0.9 % less time)
         for c in T.unroll(D2 // 64):
             T.tma_copy(Q[b, s, h0:h0 + HB, c * 64:c * 64 + 64], q_l[:, c * 64:c * 64 + 64], barrier=bar_q,
                        leader_scope_threads=128, eviction_policy="evict_first")
