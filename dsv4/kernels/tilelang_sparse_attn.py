@@ -46,7 +46,7 @@ H200_SMS = 132                  # the persistent forward's grid where no GPU say
 FWD_PASS_CONFIGS: dict[str, object] = {"tl.disable_thread_storage_sync": True, "tl.disable_safe_memory_legalize": True}
 WG0_BAR, WG1_BAR, PAIR_BAR = 1, 2, 3   # named barriers (bar.sync id): warpgroup 0, warpgroup 1, both (256 threads)
 # setmaxnreg of warpgroups 0, 1 and the producer: at most 504 for 384 threads. Warpgroup 1 (which applies P0 before its
-# own softmax) runs faster with more: 1.3-2.0 % less time at V4-Flash with (200, 200, 104) than (208, 192, 104), and
+# own softmax) runs faster with more: 1.2-2.0 % less time at V4-Flash with (200, 200, 104) than (208, 192, 104), and
 # (200, 208, 96) with the evict-first Q and O below 2.2-3.0 %; with 184 for either consumer ptxas spills.
 FWD_REGS = (200, 208, 96)
 # CUDA prepended to the forward: 16 bytes global -> shared by cp.async, zero-filled when `pred` is false (src-size 0).
