@@ -23,7 +23,7 @@ S, N, H, D, BLOCK = 4096, 5120, 64, 512, 64
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares slope and intercept."""
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return slope, my - slope * mx
 

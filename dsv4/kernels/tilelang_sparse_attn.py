@@ -219,7 +219,8 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
             m_fin[h] = T.max(m[h] * scale2, Sink[h0 + h] * LOG2E)               # final max, base 2
             f[h] = T.exp2(m[h] * scale2 - m_fin[h])
             l[h] = (l[h] + l_other[h]) * f[h] + T.exp2(Sink[h0 + h] * LOG2E - m_fin[h])
-            f[h] = T.if_then_else(l[h] > 0, f[h] / l[h], 0)        # l == 0 only if no slot and sink = -inf
+            # l == 0 only if no slot and sink = -inf; `!= 0`, not `> 0`: a NaN sum must reach O, not turn it into 0
+            f[h] = T.if_then_else(l[h] != 0, f[h] / l[h], 0)
         for h, d in T.Parallel(HB, D2):
             acc_o[h, d] *= f[h]
 
@@ -294,20 +295,17 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
             if tx >= 256:                                     # producer
                 T.set_max_nreg(RP, 0)
                 g, t8 = (tx - 256) // 8, tx % 8
-                if n_mine > 0:                                # the first item's Q (later ones: after q_free)
-                    coords(cta, crd)
-                    load_q(Q, crd[0], crd[1], crd[2], q_l, q_r, bar_q)
                 for it in T.serial(n_mine):
                     coords(cta + it * num_ctas, crd)
                     b, s = crd[0], crd[1]
                     for k in T.unroll(4):
                         rows0[k] = Idx[b, s, g + 16 * k]
                         rows1[k] = Idx[b, s, BI + g + 16 * k]
+                    # Q first, once both last score GEMMs of the item before have read it (before V0_l frees):
+                    # loaded behind this item's first halves it arrived late (1.2 % slower at V4-Flash)
                     if it > 0:
-                        # Q first: both last score GEMMs of the item before have read it (before V0_l frees), and
-                        # loaded behind this item's first halves it arrived late (1.2 % slower at V4-Flash)
                         T.barrier_wait(q_free, (it - 1) & 1)
-                        load_q(Q, b, s, crd[2], q_l, q_r, bar_q)
+                    load_q(Q, b, s, crd[2], q_l, q_r, bar_q)
                     for j in T.serial(n_pairs):
                         ph = (it * n_pairs + j) & 1
                         for k in T.unroll(4):
@@ -380,7 +378,7 @@ def fwd_program(heads: int, dim: int, topk: int, sm_scale: float, num_ctas: int 
                     T.sync_threads(PAIR_BAR, 256)
                     finish(acc_o0, m0, mo0, f0, l0, l_sh1, Sink, crd[2])
                     for h in T.Parallel(HB):
-                        Lse[crd[0], crd[1], crd[2] + h] = T.if_then_else(l0[h] > 0, mo0[h] + T.log2(l0[h]), mo0[h])
+                        Lse[crd[0], crd[1], crd[2] + h] = T.if_then_else(l0[h] != 0, mo0[h] + T.log2(l0[h]), mo0[h])
                     # O leaves through V1_l (its last reader was this warpgroup's P1 @ V1_l), which is then refilled
                     store_o(acc_o0, k1_l, O, crd[0], crd[1], crd[2], 0, WG0_BAR)
                     T.barrier_arrive(fr1l)

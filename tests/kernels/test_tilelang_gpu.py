@@ -110,6 +110,25 @@ def test_sparse_attn_out_of_range_indices_are_empty_slots():
         assert_close(name, got.float(), want, 2e-2, atol=1e-4)
 
 
+def test_sparse_attn_nan_in_a_query_reaches_its_output_and_lse():
+    """A NaN in a query's q must come out NaN in that query's O and LSE, as in the reference, not as a finite value
+    (a `sum > 0` guard in the normalisation turned the NaN row sum into a finite LSE); every other query is finite
+    and as the reference's."""
+    from dsv4.kernels import reference as ref
+    from dsv4.kernels.tilelang_sparse_attn import sparse_attn_fwd
+    q, kv, sink, idx = make_case(1, 16, 300, 64, 512, 256, 0.1, "pos", seed=5)
+    q[0, 3, 7, 11] = float("nan")
+    o, lse = sparse_attn_fwd(q, kv, sink, idx, 512 ** -0.5)
+    kv_clean = torch.where(torch.isnan(kv), 0, kv).float()
+    o_ref, lse_ref = ref.sparse_attn_gather_lse(q.float(), kv_clean, sink, idx, 512 ** -0.5)
+    assert torch.isnan(o_ref[0, 3, 7]).all() and torch.isnan(lse_ref[0, 3, 7])
+    assert torch.isnan(o[0, 3, 7]).all(), "the poisoned head's output came out finite"
+    assert torch.isnan(lse[0, 3, 7]), f"the poisoned head's LSE came out as {lse[0, 3, 7].item()}"
+    rest = torch.ones(q.shape[1], dtype=torch.bool, device=q.device)
+    rest[3] = False
+    assert_close("o (other queries)", o[:, rest].float(), o_ref[:, rest], 1e-2)
+    assert_close("lse (other queries)", lse[:, rest], lse_ref[:, rest], 1e-3, atol=1e-3)
+
 def test_sparse_attn_matches_dense_reference_and_neg_inf_sink():
     """Second reference (dense mask) and a -inf sink (no sink) with empty rows: still finite."""
     from dsv4.kernels import reference as ref
