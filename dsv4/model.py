@@ -86,7 +86,7 @@ def rope_cos_sin(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Te
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the LAST cos.shape[-1]*2 dims of x as interleaved pairs (x[2i], x[2i+1]), out of place.
-    x is [B, S, D] or [B, S, H, D]; cos/sin are [S, r/2]. inverse=True applies the conjugate rotation."""
+    x is [B, S, D] or [B, S, H, D]; cos/sin are [S, r/2] (or [B, S, r/2]: a position per sample). inverse=True applies the conjugate rotation."""
     r = cos.shape[-1] * 2
     if x.dim() == 4:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -302,8 +302,14 @@ class Compressor(nn.Module):
         n = S // self.ratio                       # the trailing S % ratio tokens form no entry yet
         xf = x[:, :n * self.ratio].float()
         c = compress(self.wkv(xf), self.wgate(xf), self.ape, self.ratio, self.head_dim)
-        c = self.norm(c.to(x.dtype))
-        cos, sin = rope_cos_sin(freqs, torch.arange(n, device=x.device) * self.ratio)  # entry i sits at i*ratio
+        return self.finish(c, torch.arange(n, device=x.device) * self.ratio, freqs, x.dtype)
+
+    def finish(self, c: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
+        """Pooled entries [B, n, d] -> keys: norm, RoPE at each entry's first token (entry i sits at i*ratio),
+        then the indexer's rotation or the KV QAT. `positions` is [n] or [B, n]. The rollout engine's KV cache
+        calls this on entries it pools one block at a time."""
+        c = self.norm(c.to(dtype))
+        cos, sin = rope_cos_sin(freqs, positions)
         c = rope_tail(c, cos, sin)
         if self.rotate:
             c = hadamard(c)

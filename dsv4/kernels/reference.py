@@ -80,9 +80,15 @@ def indexer_logits_ref(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, 
     compressed entry c is not complete for query t (c >= (t+1) // ratio). `weights` already include the
     Hi^-0.5 * Di^-0.5 factors."""
     S, N = q.shape[1], k.shape[1]
-    scores = torch.einsum("bshd,bnd->bshn", q.to(_acc(q)), k.to(_acc(q))).relu()
-    logits = (scores * weights.to(scores.dtype).unsqueeze(-1)).sum(2)                    # [B,S,N]
+    logits = indexer_scores(q, k, weights)
     return logits.masked_fill(~causal_compressed_mask(S, N, ratio, q.device), float("-inf"))
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The indexer's scores [B,S,N] without the causal mask (callers that know each query's position, such as
+    the rollout engine's decode step, mask them themselves)."""
+    scores = torch.einsum("bshd,bnd->bshn", q.to(_acc(q)), k.to(_acc(q))).relu()
+    return (scores * weights.to(scores.dtype).unsqueeze(-1)).sum(2)
 
 
 def causal_compressed_mask(S: int, N: int, ratio: int, device=None) -> torch.Tensor:
