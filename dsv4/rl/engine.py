@@ -201,8 +201,9 @@ class EmbeddedEngine:
         keep = [i for i in range(B) if finish[i] is None]
         if len(keep) < B:
             live = live[keep]
-            cache.select(torch.tensor(keep, device=dev))
-            sp.select(torch.tensor(keep, device=dev))
+            kept = torch.tensor(keep, dtype=torch.long, device=dev)
+            cache.select(kept)
+            sp.select(kept)
         pos = 0
         while len(live):
             if self._abort:

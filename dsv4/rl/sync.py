@@ -44,6 +44,10 @@ def weight_group(master_address: str, master_port: int, rank: int, world_size: i
 
 
 def broadcast(group, tensor: torch.Tensor, src: int = 0) -> None:
+    """Broadcast in place. FP8 tensors travel as their bytes (gloo has no float8 type; the view shares storage,
+    so the receiver's tensor is filled all the same)."""
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        tensor = tensor.view(torch.uint8)
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     group.broadcast([tensor], opts).wait()
