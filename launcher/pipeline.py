@@ -87,7 +87,7 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
     resume_cmd = rerun_command(cfg, f"--resume {plan.run_id}", skip_checks=skip_checks, force=force)
     t0 = time.time()
     try:
-        with _signals_as_interrupt():
+        with _signals_as_interrupt(), _rollout_scope(cfg) as rollout_live:
             for step in plan.steps:
                 _check_not_stopped(run, resume_cmd)
                 if step.kind == "preflight":
@@ -97,6 +97,8 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
                     run.set_step(step.name, "running")
                     st = cluster.up(cfg, progress=say)
                     run.set_step(step.name, "done", cluster=st.to_json())
+                elif step.kind == "rollout":
+                    _rollout(cfg, run, step, rollout_live)
                 elif step.kind == "job":
                     _job(cfg, run, step, jobs, resume_cmd)
                 elif step.kind == "gates":
@@ -178,6 +180,64 @@ def _signals_as_interrupt():
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def _rollout_scope(cfg):
+    """Yields {"up": bool}: whether SGLang rollout servers of this run may be running. When the run ends any other way
+    than through its rollout-down step (a failed train step, a failed bring-up, Ctrl-C, SIGTERM), they are stopped
+    here: servers holding most of every GPU's memory must not outlive the run that started them."""
+    live = {"up": False}
+    try:
+        yield live
+    except BaseException as e:
+        if live["up"] and isinstance(e, KeyboardInterrupt) and cfg["V4_EXECUTOR"] == "ray":
+            # an interrupted launcher leaves its Ray job running (to be followed by --resume): so are its servers
+            say("[rollout-down] not stopping the SGLang servers: the Ray job that uses them keeps running; "
+                "`v4 cluster down` stops them")
+        elif live["up"]:
+            from launcher import rollout
+            say("[rollout-down] the run did not finish: stopping the SGLang servers v4 started")
+            try:
+                reports = rollout.rollout_down(cfg, progress=say)
+                if not all(r["ok"] for r in reports):
+                    say("warning: some SGLang servers could not be stopped (above); `v4 cluster down` tries again")
+            except Exception as e:   # noqa: BLE001 - the run's own error is the one to report
+                say(f"warning: stopping the SGLang servers failed: {type(e).__name__}: {e}; `v4 cluster down` "
+                    "tries again")
+        raise
+
+
+def _rollout(cfg, run, step: Step, live: dict) -> None:
+    """rollout-up: start the SGLang servers and wait until they serve; rollout-down: stop the ones v4 recorded."""
+    from launcher import rollout
+    from launcher.errors import ClusterError
+
+    if step.name == "rollout-up":
+        if run.step_status("train").get("status") == "done":
+            say(f"[{step.name}] the train step is done (an earlier attempt of this run): no rollout servers needed")
+            return
+        say(f"[{step.name}] {step.doc}")
+        run.set_step(step.name, "running")
+        live["up"] = True           # from here on, a failure leaves servers to stop (those that did start)
+        try:
+            reports = rollout.rollout_up(cfg, progress=say)
+        except ClusterError:
+            run.set_step(step.name, "failed")
+            raise
+        run.set_step(step.name, "done", servers=reports)
+        return
+    say(f"[{step.name}] {step.doc}")
+    run.set_step(step.name, "running")
+    # record-scoped: also right after a resume whose earlier attempt left servers behind
+    reports = rollout.rollout_down(cfg, progress=say)
+    live["up"] = False
+    failed = [r["node"] for r in reports if not r["ok"]]
+    run.set_step(step.name, "failed" if failed else "done", servers=reports)
+    if failed:
+        # the training result stands; what is left running is said, with how to stop it
+        say(f"warning: SGLang servers on {', '.join(failed)} could not be stopped (above); `v4 cluster down` tries "
+            "again (their processes carry V4_ROLLOUT_SESSION)")
 
 
 def _check_skip_names(skip_checks) -> None:

@@ -54,6 +54,10 @@ PIPELINE: dict[str, StepDef] = {
 }
 RL_TRAIN = StepDef("jobs.train_rl", "GRPO with the embedded rollout engine",
                    inputs=("CKPT_TORCH_DIST", "V4_SFT_DATA"), outputs=("checkpoints/", "metrics.jsonl"))
+# The same step when the rollouts come from SGLang servers (V4_ROLLOUT_ENGINE=sglang): they load the BF16 checkpoint.
+RL_TRAIN_SGLANG = StepDef("jobs.train_rl", "GRPO against the SGLang rollout servers (ROLLOUT_URLS)",
+                          inputs=("CKPT_TORCH_DIST", "CKPT_BF16_DIR", "V4_SFT_DATA"),
+                          outputs=("checkpoints/", "metrics.jsonl"))
 
 GATES = {
     "finite_loss": "every step's loss and grad norm are finite",
@@ -100,7 +104,7 @@ class JobSpec:
 @dataclass
 class Step:
     name: str
-    kind: str                        # preflight | cluster | job | gates
+    kind: str                        # preflight | cluster | rollout | job | gates
     doc: str
     nodes: dict[str, list[str]] = field(default_factory=dict)   # node -> commands run there
     job: JobSpec | None = None
@@ -167,7 +171,10 @@ def job_env(cfg: Config, run_dir: str) -> dict[str, str]:
 
 
 def step_def(cfg: Config, name: str) -> StepDef:
-    return RL_TRAIN if name == "train" and cfg["PRESET_MODE"] == "rl" else PIPELINE[name]
+    if name == "train" and cfg["PRESET_MODE"] == "rl":
+        from launcher import rollout
+        return RL_TRAIN_SGLANG if rollout.enabled(cfg) else RL_TRAIN
+    return PIPELINE[name]
 
 
 # What marks an input complete when a person (not this run) put it there.
@@ -223,6 +230,7 @@ def job_step(cfg: Config, name: str, run_id: str, run_dir: str, excludes: list[s
 
 def build(cfg: Config, run_id: str | None = None) -> Plan:
     """The plan of a new run, or (`run_id`, already resolved by registry.resolve_resume) of the run to resume."""
+    from launcher import rollout
     from launcher.registry import RUN_ID_RE, new_run_id
 
     run_id = run_id or new_run_id(cfg["PRESET_RUN_ID_PREFIX"])
@@ -241,7 +249,13 @@ def build(cfg: Config, run_id: str | None = None) -> Plan:
             from launcher.errors import ConfigError
             raise ConfigError(f"{cfg.origin('PRESET_STEPS').where}: unknown pipeline step {name!r}",
                               fix=f"steps: {', '.join(PIPELINE)}")
-        steps.append(job_step(cfg, name, run_id, run_dir, excludes))
+        if name == "train" and rollout.enabled(cfg):
+            # the servers load the checkpoint the steps before write, and serve only the train step
+            steps.append(rollout_step(cfg, "up"))
+            steps.append(job_step(cfg, name, run_id, run_dir, excludes))
+            steps.append(rollout_step(cfg, "down"))
+        else:
+            steps.append(job_step(cfg, name, run_id, run_dir, excludes))
     unknown = [g for g in cfg["PRESET_GATES"] if g not in GATES]
     if unknown:
         from launcher.errors import ConfigError
@@ -271,3 +285,18 @@ def cluster_step(cfg: Config) -> Step:
                 f"Ray head on {cfg['V4_MASTER_IP']}, then {len(cfg.nodes) - 1} worker(s); ready when the GCS "
                 f"reports all {len(cfg.nodes)} nodes (deadline {cfg['V4_RAY_READY_TIMEOUT']:.0f} s); "
                 "skipped when the cluster is already healthy", nodes=nodes)
+
+
+def rollout_step(cfg: Config, which: str) -> Step:
+    """`rollout-up` (start an SGLang server on every rollout node, wait on /health_generate) or `rollout-down` (stop
+    exactly the servers v4 recorded there); the pipeline runs them around the RL train step."""
+    from launcher import rollout
+    nodes = rollout.rollout_nodes(cfg)
+    box = f" in container {cfg['V4_CONTAINER']}" if cfg["V4_CONTAINER"] else ""
+    if which == "up":
+        doc = (f"SGLang {cfg['V4_SGLANG_VERSION']} on {len(nodes)} node(s){box}, port {cfg['V4_ROLLOUT_PORT']}; "
+               f"ready when every GET /health_generate answers 200 (deadline {cfg['V4_ROLLOUT_HEALTH_TIMEOUT']:.0f} s); a server "
+               "v4 started with the same command line is kept")
+        return Step("rollout-up", "rollout", doc, nodes=rollout.plan_nodes(cfg, "start"))
+    return Step("rollout-down", "rollout", "stop the SGLang servers v4 started (recorded PIDs; nothing else); "
+                "also when the run fails", nodes=rollout.plan_nodes(cfg, "stop"))

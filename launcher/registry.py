@@ -174,7 +174,7 @@ def node_summary(f: dict) -> dict:
     """The manifest's view of one node's facts: what could change a result."""
     g = f.get("gpu", {})
     return {"hostname": f.get("hostname"), "python": f.get("python"), "python_executable": f.get("python_executable"),
-            "packages": f.get("packages"), "gpus": [x["name"] for x in g.get("gpus", [])],
+            "packages": f.get("packages"), "sglang": f.get("sglang"), "gpus": [x["name"] for x in g.get("gpus", [])],
             "driver": g.get("driver"), "cuda": g.get("cuda"), "memlock": f.get("memlock"),
             "socket_ifname": (f.get("net") or {}).get("default_if"),
             "ib": [d["device"] for d in f.get("ib", [])]}

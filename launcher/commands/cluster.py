@@ -62,13 +62,17 @@ def up(selection, as_json):
               help="on nodes where v4 recorded no Ray, fall back to `ray stop --force` (stops EVERY Ray process there)")
 @click.option("--json", "as_json", is_flag=True, help="per-node report as JSON on stdout")
 def down(selection, force, as_json):
-    """Stop the Ray processes v4 started (recorded per node); other Ray processes are left alone."""
+    """Stop the Ray processes v4 started (recorded per node); other Ray processes are left alone. With
+    V4_ROLLOUT_ENGINE=sglang, the SGLang rollout servers v4 started on the rollout nodes are stopped first."""
     from launcher import cluster as c
+    from launcher import rollout
     cfg = load_config(selection)
+    # before Ray: in container mode Ray's `down` removes the container, and a server's orderly stop needs it running
+    servers = rollout.rollout_down(cfg) if rollout.sglang_selected(cfg) else []
     reports = c.down(cfg, force=force)
     if as_json:
-        click.echo(json.dumps({"schema": 1, "nodes": reports}, indent=2))
-    if not all(r["ok"] for r in reports):
+        click.echo(json.dumps({"schema": 1, "nodes": reports, **({"rollout": servers} if servers else {})}, indent=2))
+    if not all(r["ok"] for r in reports + servers):
         sys.exit(CLUSTER_FAILED)
 
 

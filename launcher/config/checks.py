@@ -9,10 +9,11 @@ import hashlib
 import ipaddress
 import math
 import re
+import shlex
 from dataclasses import dataclass
 
 from launcher.config.resolve import Config, Derived
-from launcher.config.schema import ALWAYS_PORT_KEYS, PORT_KEYS, SCHEMA
+from launcher.config.schema import ALWAYS_PORT_KEYS, PORT_KEYS, ROLLOUT_PORT_KEY, SCHEMA
 from launcher.errors import ConfigError
 
 
@@ -29,14 +30,26 @@ class InvalidConfig(ConfigError):
 POSITIVE_KEYS = ("PRESET_TP", "PRESET_PP", "PRESET_CP", "PRESET_EP", "PRESET_ETP", "V4_NUM_NODES",
                  "V4_NUM_GPUS_PER_NODE", "PRESET_GLOBAL_BATCH_SIZE", "PRESET_MICRO_BATCH_SIZE",
                  "PRESET_NUM_STEPS", "PRESET_SEQ_LEN", "HW_SMOKE_SEQ_LEN", "HW_MAX_TOKENS_PER_GPU",
-                 "V4_SSH_RETRIES")
+                 "V4_SSH_RETRIES", "V4_ROLLOUT_TP", "V4_ROLLOUT_EP", "V4_ROLLOUT_DP")
 NON_NEGATIVE_KEYS = ("PRESET_NUM_NODES", "PRESET_SAVE_INTERVAL", "PRESET_SAVE_RETAIN_INTERVAL",
                      "PRESET_PP_FIRST_LAYERS", "PRESET_PP_LAST_LAYERS", "PRESET_LR_WARMUP_ITERS",
                      "PRESET_LR", "PRESET_MIN_LR", "PRESET_WEIGHT_DECAY",
                      "PRESET_MTP_LOSS_COEFF", "HW_GPU_MEMORY_GB")
 # Timeouts: 0 or less would fail every connection or step at once.
 POSITIVE_SECONDS_KEYS = ("V4_SSH_CONNECT_TIMEOUT", "V4_SSH_COMMAND_TIMEOUT", "V4_RAY_READY_TIMEOUT",
-                         "PRESET_JOB_TIMEOUT")
+                         "PRESET_JOB_TIMEOUT", "V4_ROLLOUT_HEALTH_TIMEOUT")
+
+# SGLang server flags the launcher renders itself (launcher/rollout.py), with the key that sets each: given again in
+# V4_ROLLOUT_EXTRA_ARGS they would override it behind the launcher's back (argparse keeps the last), e.g. a second
+# --port the health wait would never look at.
+ROLLOUT_OWNED_FLAGS = {
+    "--model-path": "the checkpoint (CKPT_BF16_DIR)", "--model": "the checkpoint (CKPT_BF16_DIR)",
+    "--host": "the rollout node's address (V4_ROLLOUT_NODES)", "--port": "V4_ROLLOUT_PORT",
+    "--tp-size": "V4_ROLLOUT_TP", "--tensor-parallel-size": "V4_ROLLOUT_TP",
+    "--ep-size": "V4_ROLLOUT_EP", "--expert-parallel-size": "V4_ROLLOUT_EP", "--ep": "V4_ROLLOUT_EP",
+    "--dp-size": "V4_ROLLOUT_DP", "--data-parallel-size": "V4_ROLLOUT_DP",
+    "--mem-fraction-static": "V4_ROLLOUT_MEM_FRACTION", "--dsv4-attn-backend": "V4_ROLLOUT_DSV4_ATTN_BACKEND",
+}
 
 # Names that end up inside rendered shell scripts and docker/ray command lines: only characters that
 # need no quoting there. (key, pattern, what it must look like)
@@ -158,6 +171,7 @@ def derive_and_check(cfg: Config) -> None:
     d["JOB_NUM_NODES"] = Derived(job_nodes, "PRESET_NUM_NODES or V4_NUM_NODES")
     d["WORLD_SIZE"] = Derived(world, "JOB_NUM_NODES * V4_NUM_GPUS_PER_NODE")
     d["NODES"] = Derived(cfg.nodes, "V4_MASTER_IP + V4_WORKER_IPS")
+    _derive_rollout(cfg)
 
     tp, pp, cp, ep = v["PRESET_TP"], v["PRESET_PP"], v["PRESET_CP"], v["PRESET_EP"]
     _check_ranges(cfg, errors)
@@ -188,6 +202,9 @@ def derive_and_check(cfg: Config) -> None:
                       f"({at(cfg, 'PRESET_MODEL')})")
     if dp and (dp * tp) % ep:
         errors.append(f"{at(cfg, 'PRESET_EP')} does not divide DP*TP = {dp}*{tp} = {dp * tp}")
+    if sglang_engine(cfg) and m.n_experts % v["V4_ROLLOUT_EP"]:
+        errors.append(f"{at(cfg, 'V4_ROLLOUT_EP')} does not divide the model's {m.n_experts} routed experts "
+                      f"({at(cfg, 'PRESET_MODEL')}): each SGLang expert-parallel rank holds an equal share")
     if m.n_heads % tp or m.o_groups % tp:
         errors.append(f"{at(cfg, 'PRESET_TP')} must divide the model's {m.n_heads} heads and "
                       f"{m.o_groups} output groups ({at(cfg, 'PRESET_MODEL')})")
@@ -278,9 +295,91 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
 
 
 def _check_site(cfg: Config, errors: list[str]) -> None:
-    """What the cluster and hardware layers alone decide: ports, paths, names, transport."""
+    """What the cluster and hardware layers alone decide: ports, paths, names, transport, the rollout servers."""
     _check_ports_paths(cfg, errors)
     _check_names(cfg, errors)
+    _check_rollout(cfg, errors)
+
+
+def sglang_engine(cfg: Config) -> bool:
+    """Whether the configuration asks for SGLang rollout servers. Checked whatever PRESET_MODE is: the key usually
+    sits in the cluster file, and a layout SGLang would refuse should be named by `v4 config validate` already."""
+    return cfg.values["V4_ROLLOUT_ENGINE"] == "sglang"
+
+
+def _derive_rollout(cfg: Config) -> None:
+    """ROLLOUT_NODES and ROLLOUT_URLS: where the SGLang servers run and where the trainer finds them (the RL job reads
+    them from the run's config.json)."""
+    if not sglang_engine(cfg):
+        return
+    v, d = cfg.values, cfg.derived
+    if v["V4_ROLLOUT_NODES"]:
+        nodes, formula = list(v["V4_ROLLOUT_NODES"]), "V4_ROLLOUT_NODES"
+    else:
+        # colocated: the nodes the trainer runs on, head first (the job takes the first JOB_NUM_NODES)
+        nodes, formula = cfg.nodes[:d["JOB_NUM_NODES"].value], "the trainer's nodes (V4_ROLLOUT_NODES empty: colocated)"
+    d["ROLLOUT_NODES"] = Derived(nodes, formula)
+    d["ROLLOUT_URLS"] = Derived([server_url(ip, v["V4_ROLLOUT_PORT"]) for ip in nodes],
+                                "http://<ROLLOUT_NODES>:V4_ROLLOUT_PORT")
+
+
+def server_url(host: str, port: int) -> str:
+    """An HTTP base URL; an IPv6 address goes in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _check_rollout(cfg: Config, errors: list[str]) -> None:
+    """SGLang rollout servers: only on GPUs, on nodes of this cluster, in a layout SGLang 0.5.23 accepts."""
+    v = cfg.values
+    if not (0 < v["V4_ROLLOUT_MEM_FRACTION"] <= 1):
+        errors.append(f"{at(cfg, 'V4_ROLLOUT_MEM_FRACTION')} must be in (0, 1]: it is the share of each GPU's memory "
+                      "SGLang takes for weights and KV cache (--mem-fraction-static)")
+    _check_rollout_extra_args(cfg, errors)
+    if not sglang_engine(cfg):
+        return
+    if v["HW_DEVICE"] != "cuda":
+        errors.append(f"{at(cfg, 'V4_ROLLOUT_ENGINE')} but {at(cfg, 'HW_DEVICE')}: SGLang cannot serve without a GPU; "
+                      "use V4_ROLLOUT_ENGINE=embedded")
+    if not _valid_port(v[ROLLOUT_PORT_KEY]):
+        errors.append(f"{at(cfg, ROLLOUT_PORT_KEY)} is not a valid port (1-65535): {at(cfg, 'V4_ROLLOUT_ENGINE')} "
+                      "serves on it")
+    outside = [ip for ip in v["V4_ROLLOUT_NODES"] if ip not in cfg.nodes]
+    if outside:
+        # preflight, Ray and the SSH settings cover the cluster's nodes only
+        errors.append(f"V4_ROLLOUT_NODES entries {' '.join(outside)} ({cfg.origin('V4_ROLLOUT_NODES').where}) are not "
+                      f"nodes of the cluster (V4_MASTER_IP + V4_WORKER_IPS: {' '.join(cfg.nodes)}); list cluster nodes "
+                      "only, or add them to V4_WORKER_IPS")
+    if len(set(v["V4_ROLLOUT_NODES"])) != len(v["V4_ROLLOUT_NODES"]):
+        errors.append(f"{at(cfg, 'V4_ROLLOUT_NODES')} names a node twice: one server per node, on V4_ROLLOUT_PORT")
+    tp, ep, dp, gpus = v["V4_ROLLOUT_TP"], v["V4_ROLLOUT_EP"], v["V4_ROLLOUT_DP"], v["V4_NUM_GPUS_PER_NODE"]
+    if min(tp, ep, dp) < 1:
+        return                                   # reported by _check_ranges
+    if v["HW_DEVICE"] == "cuda" and gpus % (tp * dp):
+        errors.append(f"V4_ROLLOUT_TP*V4_ROLLOUT_DP = {tp}*{dp} = {tp * dp} GPUs per server does not divide the "
+                      f"{gpus} GPUs of a rollout node ({at(cfg, 'V4_ROLLOUT_TP')}, {at(cfg, 'V4_ROLLOUT_DP')}, "
+                      f"{at(cfg, 'V4_NUM_GPUS_PER_NODE')})")
+    # SGLang 0.5.23: --dp-size counts whole replicas, each a TP group, and the experts are split inside one TP group
+    # (model_executor/model_runner_components/moe_ep_setup.py: "tp_size ... must be divisible by ep_size"). So EP must
+    # divide TP, which is stricter than dividing TP*DP.
+    if tp % ep:
+        errors.append(f"{at(cfg, 'V4_ROLLOUT_EP')} must divide {at(cfg, 'V4_ROLLOUT_TP')}: SGLang 0.5.23 splits the "
+                      "experts inside each tensor-parallel replica (--dp-size counts whole replicas), so dividing "
+                      f"TP*DP = {tp * dp} is not enough")
+
+
+def _check_rollout_extra_args(cfg: Config, errors: list[str]) -> None:
+    """V4_ROLLOUT_EXTRA_ARGS must split into shell words, and must not repeat a flag the launcher sets."""
+    try:
+        words = shlex.split(cfg.values["V4_ROLLOUT_EXTRA_ARGS"])
+    except ValueError as e:
+        errors.append(f"{at(cfg, 'V4_ROLLOUT_EXTRA_ARGS')} is not a list of shell words ({e}); quote values with "
+                      "spaces, e.g. --json-model-override-args '{\"k\": 1}'")
+        return
+    for w in words:
+        flag = w.split("=", 1)[0]
+        if flag in ROLLOUT_OWNED_FLAGS:
+            errors.append(f"{at(cfg, 'V4_ROLLOUT_EXTRA_ARGS')} sets {flag}, which the launcher sets from "
+                          f"{ROLLOUT_OWNED_FLAGS[flag]}: set that instead and drop {flag} from the extra args")
 
 
 def _valid_port(port: int) -> bool:
@@ -297,7 +396,8 @@ def _check_ports_paths(cfg: Config, errors: list[str]) -> None:
             errors.append(f"{at(cfg, key)} is not a valid port (1-65535, or 0 for unused)")
     # the ports the head listens on, sshd's among them, must differ (an invalid one is reported above)
     seen: dict[int, str] = {}
-    for key in (*PORT_KEYS, "V4_SSH_PORT"):
+    rollout = (ROLLOUT_PORT_KEY,) if sglang_engine(cfg) else ()
+    for key in (*PORT_KEYS, *rollout, "V4_SSH_PORT"):
         if not _valid_port(v[key]):
             continue
         if v[key] in seen:

@@ -81,6 +81,25 @@ KEYS: list[Key] = [
     _k("V4_SOCKET_IFNAME", "str", "auto", "cluster", "NCCL/Gloo socket interface (auto: the default-route interface)"),
     _k("V4_EXPECT_IB", "bool", 0, "cluster", "InfiniBand devices must be present on every node"),
     _k("V4_NCCL_IB_DISABLE", "bool", 0, "cluster", "set NCCL_IB_DISABLE=1 for jobs (hosts whose IB driver rejects memory registration)"),
+    # --- RL rollout engine (PRESET_MODE=rl) --------------------------------------------------------
+    _k("V4_ROLLOUT_ENGINE", "enum", "embedded", "cluster",
+       "RL rollouts: the embedded engine inside the trainer, or SGLang servers the launcher starts", ("embedded", "sglang")),
+    _k("V4_ROLLOUT_NODES", "list", "", "cluster",
+       "cluster nodes that run an SGLang rollout server, space-separated (empty: the trainer's nodes, colocated)"),
+    _k("V4_ROLLOUT_TP", "int", 1, "cluster", "SGLang --tp-size of each rollout server"),
+    _k("V4_ROLLOUT_EP", "int", 1, "cluster", "SGLang --ep-size of each rollout server (must divide V4_ROLLOUT_TP)"),
+    _k("V4_ROLLOUT_DP", "int", 1, "cluster", "SGLang --dp-size (model replicas) of each rollout server"),
+    _k("V4_ROLLOUT_MEM_FRACTION", "float", 0.7, "cluster",
+       "SGLang --mem-fraction-static: share of GPU memory for weights + KV cache"),
+    _k("V4_ROLLOUT_PORT", "int", 30000, "cluster", "HTTP port of the SGLang server on each rollout node"),
+    _k("V4_SGLANG_VERSION", "str", "0.5.23", "base", "pinned SGLang version the rollout nodes must have (preflight `sglang`)"),
+    _k("V4_ROLLOUT_HEALTH_TIMEOUT", "float", 900, "cluster",
+       "seconds to wait for every rollout server's /health_generate to answer 200 (weights load first)"),
+    _k("V4_ROLLOUT_DSV4_ATTN_BACKEND", "enum", "flashmla", "cluster",
+       "SGLang --dsv4-attn-backend (flashmla_mega and trtllm need SM100/SM103)",
+       ("auto", "flashmla", "flashmla_mega", "trtllm")),
+    _k("V4_ROLLOUT_EXTRA_ARGS", "str", "", "cluster",
+       "extra SGLang server flags, appended as written (shell words; no flag the launcher sets itself)"),
     # --- project paths (base.env derives them from V4_WORK) --------------------------------------
     _k("V4_MODELS", "path", "${V4_WORK}/models", "base", "checkpoints root"),
     _k("V4_DATA", "path", "${V4_WORK}/data", "base", "datasets root"),
@@ -155,6 +174,9 @@ BUILTINS = ("V4_ROOT",)
 
 # Ports on the head node that must differ from one another (0 = unused).
 PORT_KEYS = ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT", "V4_GRAFANA_PORT")
+# With V4_ROLLOUT_ENGINE=sglang the rollout server's port joins them (checks.py): colocated, the server listens on
+# the head next to Ray. With the embedded engine nothing listens on it, so it may share a number with anything.
+ROLLOUT_PORT_KEY = "V4_ROLLOUT_PORT"
 # Ports always in use, so 0 is no choice: 1-65535. sshd listens on the head too, so V4_SSH_PORT must also
 # differ from the PORT_KEYS; the external Redis runs on its own host (V4_REDIS_HOST) and may share a number.
 ALWAYS_PORT_KEYS = ("V4_SSH_PORT", "V4_REDIS_PORT")

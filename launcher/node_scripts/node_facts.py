@@ -1,7 +1,8 @@
 """Everything preflight needs to know about one node, gathered in one go (stdlib only).
 
 Usage: python - 'JSON_ARGS' (script on stdin; prints one JSON object). JSON_ARGS holds: work,
-local, ray_state (our Ray's record), token_file, ports, packages, paths (required inputs to stat).
+local, ray_state (our Ray's record), rollout_state (our SGLang server's record, optional), token_file, ports,
+packages, paths (required inputs to stat).
 """
 import fcntl
 import json
@@ -39,6 +40,8 @@ def version(dist):
 
 
 facts["packages"] = {p: version(p) for p in args["packages"]}
+# Apart from the packages every node must agree on: only the rollout nodes need SGLang (preflight `sglang`).
+facts["sglang"] = version("sglang")
 
 # --- GPUs -------------------------------------------------------------------------------------
 gpu = {"nvidia_smi": bool(shutil.which("nvidia-smi")), "gpus": [], "apps": [], "cuda": None,
@@ -175,6 +178,14 @@ try:
     our_session = json.load(open(os.path.join(args["ray_state"], "ray_procs.json")))["session"]
 except (OSError, ValueError, KeyError):
     our_session = None
+# A port held by the SGLang server v4 started (a resumed run's) is ours too: node_scripts/rollout_procs.py
+try:
+    rollout_session = json.load(open(os.path.join(args.get("rollout_state") or "/nonexistent",
+                                                  "sglang_procs.json")))["session"]
+except (OSError, ValueError, KeyError):
+    rollout_session = None
+ours_tags = [t for t in (our_session and f"V4_RAY_SESSION={our_session}",
+                         rollout_session and f"V4_ROLLOUT_SESSION={rollout_session}") if t]
 ports = {}
 for port in args["ports"]:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -190,7 +201,7 @@ for port in args["ports"]:
                 comm = open(f"/proc/{pid}/comm").read().strip()
             except OSError:
                 env, comm = [], "?"
-            ours = our_session is not None and f"V4_RAY_SESSION={our_session}".encode() in env
+            ours = any(t.encode() in env for t in ours_tags)
             info["pids"].append({"pid": pid, "comm": comm, "ours": ours})
         info["ours"] = bool(info["pids"]) and all(p["ours"] for p in info["pids"])
         ports[str(port)] = info

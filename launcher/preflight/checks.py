@@ -173,6 +173,33 @@ def known_bad(node, ctx):
     return PASS, "none of: " + ", ".join(f"{d} {lo}-{hi}" for d, lo, hi, _, _ in KNOWN_BAD)
 
 
+def _rollout_node(ctx: Context, node: str) -> bool:
+    """Whether this run starts an SGLang rollout server on `node` (launcher/rollout.py)."""
+    from launcher import rollout
+    return rollout.enabled(ctx.cfg) and node in rollout.rollout_nodes(ctx.cfg)
+
+
+@check("sglang", "on rollout nodes (V4_ROLLOUT_ENGINE=sglang): V4_PYTHON has SGLang at the pinned V4_SGLANG_VERSION")
+def sglang(node, ctx):
+    cfg = ctx.cfg
+    if cfg.get("V4_ROLLOUT_ENGINE", "embedded") != "sglang":
+        return SKIP, f"V4_ROLLOUT_ENGINE={cfg.get('V4_ROLLOUT_ENGINE', 'embedded')}: no SGLang server"
+    if cfg.get("PRESET_MODE") != "rl":
+        return SKIP, f"PRESET_MODE={cfg.get('PRESET_MODE')}: only RL runs start SGLang servers"
+    if not _rollout_node(ctx, node):
+        return SKIP, "no rollout server on this node (V4_ROLLOUT_NODES)"
+    if ctx.on_host(node):
+        return SKIP, _not_in_container(ctx, node)
+    pin, have = str(cfg["V4_SGLANG_VERSION"]), ctx.facts[node].get("sglang")
+    install = f"pip install sglang=={pin} into {python_on_nodes(cfg)} on {node} (or the image)"
+    if not have:
+        return FAIL, f"sglang is not installed for {python_on_nodes(cfg)}", install
+    if have != pin:
+        return FAIL, f"sglang {have}, but V4_SGLANG_VERSION={pin} is pinned (flags and the RL API change between " \
+                     "versions)", f"{install}, or pin V4_SGLANG_VERSION={have} after checking its flags"
+    return PASS, f"sglang {have} (pinned {pin})"
+
+
 # --- GPUs --------------------------------------------------------------------------------------------
 
 @check("gpu", "GPU count and model match the hw layer")
@@ -416,12 +443,14 @@ def clock(node, ctx):
     return PASS, detail
 
 
-@check("ports", "the head's Ray, dashboard and rendezvous ports are free (or held by our own Ray)")
+@check("ports", "the head's Ray, dashboard and rendezvous ports, and a rollout node's SGLang port, are free (or held "
+                "by what v4 started)")
 def ports(node, ctx):
-    if node != ctx.head:
+    if node != ctx.head and not ctx.facts[node]["ports"]:
         return SKIP, "no fixed ports on a worker"
-    names = {int(ctx.cfg.get(k, 0) or 0): k for k in
-             ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT", "V4_GRAFANA_PORT")}
+    keys = ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT", "V4_GRAFANA_PORT")
+    keys = (("V4_ROLLOUT_PORT",) if _rollout_node(ctx, node) else ()) + keys       # the head's names win a tie
+    names = {int(ctx.cfg.get(k, 0) or 0): k for k in keys}
     taken, ours = [], []
     for port, p in ctx.facts[node]["ports"].items():
         key = names.get(int(port), port)
@@ -435,7 +464,7 @@ def ports(node, ctx):
     if taken:
         return FAIL, "; ".join(taken), "stop that process or choose another port in the cluster file"
     free = [f"{names.get(int(p), p)}={p}" for p, x in ctx.facts[node]["ports"].items() if x["free"]]
-    return PASS, "free: " + ", ".join(free) + (f"; held by the Ray v4 started: {', '.join(ours)}" if ours else "")
+    return PASS, "free: " + ", ".join(free) + (f"; held by what v4 started: {', '.join(ours)}" if ours else "")
 
 
 @check("ulimit", "locked-memory limit (RDMA/NCCL need it unlimited)")

@@ -13,6 +13,7 @@ import shlex
 import time
 
 from launcher.cluster import container_state, ray_state_dir
+from launcher import rollout
 from launcher.node_scripts import source
 from launcher.nodes import Node, fan_out, node_local_dir, python_on_nodes
 from launcher.preflight.registry import Context, RequiredInput
@@ -24,6 +25,14 @@ PACKAGES = ("torch", "megatron-core", "tilelang", "ray")
 def head_ports(cfg) -> list[int]:
     keys = ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT", "V4_GRAFANA_PORT")
     return [int(cfg.get(k, 0) or 0) for k in keys if int(cfg.get(k, 0) or 0)]
+
+
+def node_ports(cfg, node: str, head: str) -> list[int]:
+    """The fixed ports `node` must have free: the head's, and V4_ROLLOUT_PORT on a node that runs an SGLang server."""
+    ports = head_ports(cfg) if node == head else []
+    if rollout.enabled(cfg) and node in rollout.rollout_nodes(cfg) and cfg["V4_ROLLOUT_PORT"] not in ports:
+        ports.append(int(cfg["V4_ROLLOUT_PORT"]))
+    return ports
 
 
 def nccl_args(cfg) -> dict | None:
@@ -66,8 +75,8 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bo
 
     def facts(node: Node) -> dict:
         args = {"work": work, "local": node_local_dir(cfg, node.name), "ray_state": ray_state_dir(cfg, node.name),
-                "token_file": token_file,
-                "ports": head_ports(cfg) if node.name == ctx.head else [],
+                "rollout_state": rollout.state_dir(cfg, node.name), "token_file": token_file,
+                "ports": node_ports(cfg, node.name, ctx.head),
                 "packages": list(PACKAGES), "paths": paths}
         t0 = time.time()
         try:

@@ -236,3 +236,51 @@ def test_container_mode_facts_from_the_host():
     r = one("container", cfg, host, containers={A: nodocker})
     assert r.status == "FAIL" and "install Docker" in r.fix
     assert one("container", cfg_for(V4_CONTAINER=""), facts()).status == "SKIP"     # no container: nothing to judge
+
+
+def rl_cfg(**sets):
+    """rl_smoke on the H200 template cluster (192.0.2.1-16) with SGLang rollout servers on two workers."""
+    sets = {"V4_ROLLOUT_ENGINE": "sglang", "V4_ROLLOUT_NODES": '"192.0.2.2 192.0.2.3"', **sets}
+    return resolve(Selection(preset="rl_smoke", cluster="h200_template", hw="h200",
+                             sets=tuple(f"{k}={v}" for k, v in sets.items())))
+
+
+def test_sglang_on_rollout_nodes():
+    """Preflight `sglang`: the rollout nodes' python has SGLang at V4_SGLANG_VERSION; other nodes and other engines
+    are SKIPped (every node gets a row)."""
+    cfg = rl_cfg()
+    head, r1, r2 = cfg.nodes[:3]
+    r = judge("sglang", cfg, {head: facts(sglang=None), r1: facts(sglang=None), r2: facts(sglang="0.5.23")})
+    assert (r[head].status, r[head].detail) == ("SKIP", "no rollout server on this node (V4_ROLLOUT_NODES)")
+    assert r[r1].status == "FAIL" and r[r1].detail == "sglang is not installed for python3"
+    assert r[r1].fix.startswith("pip install sglang==0.5.23 into python3 on 192.0.2.2")
+    assert (r[r2].status, r[r2].detail) == ("PASS", "sglang 0.5.23 (pinned 0.5.23)")
+    old = judge("sglang", cfg, {r1: facts(sglang="0.5.22")})[r1]
+    assert old.status == "FAIL" and "sglang 0.5.22, but V4_SGLANG_VERSION=0.5.23 is pinned" in old.detail
+    assert "pip install sglang==0.5.23" in old.fix
+    assert judge("sglang", rl_cfg(V4_SGLANG_VERSION="0.5.22"), {r1: facts(sglang="0.5.22")})[r1].status == "PASS"
+    # facts read on the host before `v4 cluster up` made the container: judged once it runs
+    r = judge("sglang", cfg, {r1: facts(sglang=None)}, where={r1: "host"})[r1]
+    assert r.status == "SKIP" and "v4 cluster up" in r.detail
+    # not an SGLang run: nothing to judge anywhere
+    embedded = resolve(Selection(preset="rl_smoke", cluster="h200_template", hw="h200"))
+    assert one("sglang", embedded, facts(sglang=None)).detail == "V4_ROLLOUT_ENGINE=embedded: no SGLang server"
+    sft = resolve(Selection(preset="smoke", cluster="h200_template", hw="h200", sets=("V4_ROLLOUT_ENGINE=sglang",)))
+    assert one("sglang", sft, facts(sglang=None)).status == "SKIP"
+
+
+def test_rollout_port_on_rollout_nodes():
+    """Preflight `ports` judges V4_ROLLOUT_PORT on a rollout worker (gather asks for it there)."""
+    from launcher.preflight.gather import node_ports
+    cfg = rl_cfg()
+    head, r1, w = cfg.nodes[0], cfg.nodes[1], cfg.nodes[5]
+    assert node_ports(cfg, r1, head) == [30000] and node_ports(cfg, w, head) == []
+    assert 30000 not in node_ports(cfg, head, head)
+    held = {"30000": {"free": False, "error": "Address already in use", "ours": False,
+                      "pids": [{"pid": 4242, "comm": "python3", "ours": False}]}}
+    r = judge("ports", cfg, {head: facts(), r1: facts(ports=held), w: facts(ports={})})
+    assert r[r1].status == "FAIL" and r[r1].detail == "V4_ROLLOUT_PORT=30000 is taken by python3 pid 4242"
+    assert r[w].status == "SKIP" and r[head].status == "PASS"
+    ours = {"30000": dict(held["30000"], ours=True, pids=[{"pid": 4242, "comm": "python3", "ours": True}])}
+    r = judge("ports", cfg, {r1: facts(ports=ours)})[r1]
+    assert r.status == "PASS" and "held by what v4 started: V4_ROLLOUT_PORT=30000" in r.detail
