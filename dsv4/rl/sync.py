@@ -59,7 +59,9 @@ def receive_broadcast(group, names: list[str], dtypes: list[str], shapes: list[l
     for name, dt, shape in zip(names, dtypes, shapes):
         if dt not in DTYPES:
             raise ValueError(f"{name}: dtype {dt!r} is not one of {', '.join(DTYPES)}")
-        t = torch.empty(shape, dtype=DTYPES[dt], device=device)
+        # gloo moves CPU tensors only: receive on the host, the engine copies them to its device
+        where = "cpu" if isinstance(group, dist.ProcessGroupGloo) else device
+        t = torch.empty(shape, dtype=DTYPES[dt], device=where)
         broadcast(group, t)
         out.append((name, t))
     return out

@@ -1,0 +1,207 @@
+"""`v4 bench rollout`: decode speed of the embedded engine beside the HBM roofline of the same step, and the
+seconds and GB/s of each weight-update path, measured in one run.
+
+Decode: for each batch size, a batch of prompts is fed to a fresh cache, then `--steps` decode steps are timed
+(the median step after warm-up; CUDA synchronised around each step). tokens/s = batch / step time.
+Roofline of a step = the bytes the step must read at least once / the device's copy bandwidth measured in the
+same run (a large device-to-device copy, read + write counted):
+  weights: every parameter except the embedding and the routed experts, plus the embedding rows of the batch's
+           tokens and the routed experts that step's routes activate (counted from the routes of the timed steps);
+  KV:      per layer and sample, the rows the attention reads (window + selected compressed entries) and, for
+           ratio-4 layers, every indexer key (the indexer scores all of them).
+Achieved fraction = roofline time / measured step time.
+
+Weight updates (the engine's side; the trainer's quantisation is timed separately): `tensor` (in-process copy of
+the model's own parameters, bf16/fp32 as stored), `tensor-fp8` (the FP8 weights as e4m3 + scales, dequantised on
+load), `disk` (update_weights_from_disk of a checkpoint written once before timing), `distributed` (a broadcast
+group, gloo on CPU / nccl on GPU, the sender a thread of this process). GB/s = bytes of the tensors sent / seconds.
+"""
+from __future__ import annotations
+
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dsv4 import quant
+from dsv4.rl import decode, sync
+from dsv4.rl.engine import EmbeddedEngine
+
+
+@dataclass
+class DecodeRow:
+    batch: int
+    step_ms: float
+    tokens_per_s: float
+    weight_bytes: int
+    kv_bytes: int
+    roofline_ms: float
+    achieved: float          # roofline_ms / step_ms
+
+
+@dataclass
+class SyncRow:
+    path: str
+    tensors: int
+    bytes: int
+    seconds: float
+    gb_per_s: float
+
+
+def _sync_dev(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, iters: int = 5) -> float:
+    """Bytes/s of a large copy on `device` (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        _sync_dev(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync_dev(device)
+        times.append(time.perf_counter() - t)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def step_bytes(model, cache: decode.DecodeCache, routes: torch.Tensor, batch: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one decode step reads at least once; routes [B, L, k] of that step."""
+    weights = 0
+    for name, p in model.named_parameters():
+        if name == "embed.weight" or ".experts." in name or name.startswith("mtp.") or name.endswith("tid2eid"):
+            continue
+        weights += _nbytes(p)
+    weights += batch * model.embed.weight.shape[1] * model.embed.weight.element_size()
+    for layer, r in zip(model.layers, routes.unbind(1)):
+        for e in torch.unique(r).tolist():
+            weights += sum(_nbytes(p) for p in layer.ffn.experts[e].parameters())
+    kv = 0
+    cfg = model.cfg
+    for lc in cache.layers:
+        row = lc.kv.shape[-1] * lc.kv.element_size()
+        slots = lc.window + (min(cfg.index_topk, lc.n_entries) if lc.ratio == 4 else lc.n_entries)
+        kv += batch * slots * row
+        if lc.ratio == 4:
+            kv += _nbytes(lc.index_keys)
+    return weights, kv
+
+
+def bench_decode(engine: EmbeddedEngine, batches: list[int], prompt_len: int, steps: int, warmup: int,
+                 bandwidth: float, say=print) -> list[DecodeRow]:
+    model, dev = engine.model, engine.device
+    V = model.cfg.vocab_size
+    rows = []
+    for B in batches:
+        g = torch.Generator().manual_seed(B)
+        total = prompt_len + warmup + steps
+        ids = torch.randint(0, V, (B, total), generator=g).to(dev)
+        cache = decode.DecodeCache(model, B, total)
+        for p in range(prompt_len):
+            decode.step(model, cache, ids[:, p], p)
+        times, byte_counts = [], []
+        for p in range(prompt_len, total):
+            _sync_dev(dev)
+            t = time.perf_counter()
+            logits, routes = decode.step(model, cache, ids[:, p], p)
+            _sync_dev(dev)
+            if p >= prompt_len + warmup:
+                times.append(time.perf_counter() - t)
+                byte_counts.append(step_bytes(model, cache, routes, B))
+        ms = statistics.median(times) * 1e3
+        w = int(statistics.median(b[0] for b in byte_counts))
+        kv = int(statistics.median(b[1] for b in byte_counts))
+        roof = (w + kv) / bandwidth * 1e3
+        rows.append(DecodeRow(B, ms, B / ms * 1e3, w, kv, roof, roof / ms))
+        say(f"[bench] batch {B:>3}: {ms:8.2f} ms/step  {B / ms * 1e3:10.1f} tokens/s  roofline {roof:.3f} ms "
+            f"({roof / ms:.1%})")
+        del cache
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_sync(engine: EmbeddedEngine, paths: list[str], say=print) -> list[SyncRow]:
+    model, dev, cfg = engine.model, engine.device, engine.cfg
+    named = [(n, p.detach().clone()) for n, p in model.named_parameters() if not n.startswith("mtp.")]
+    rows = []
+
+    def record(path, tensors, seconds):
+        nbytes = sum(_nbytes(t) for _, t in tensors)
+        rows.append(SyncRow(path, len(tensors), nbytes, seconds, nbytes / seconds / 1e9))
+        say(f"[bench] sync {path:<12} {len(tensors):>5} tensors {nbytes / 1e9:8.3f} GB  {seconds:7.3f} s  "
+            f"{nbytes / seconds / 1e9:7.2f} GB/s")
+
+    def timed(fn):
+        _sync_dev(dev)
+        t = time.perf_counter()
+        res = fn()
+        _sync_dev(dev)
+        if not res["success"]:
+            raise RuntimeError(res["message"])
+        return time.perf_counter() - t
+
+    if "tensor" in paths:
+        record("tensor", named, timed(lambda: engine.update_weights_from_tensor(named, weight_version="b1")))
+    if "tensor-fp8" in paths:
+        fp8 = []
+        for n, t in named:
+            if cfg.storage_format(n) == "fp8" and t.dim() == 2:
+                q, s = quant.weight_quant_fp8(t)
+                fp8 += [(n, q), (n[:-len("weight")] + "scale", s)]
+            else:
+                fp8.append((n, t))
+        record("tensor-fp8", fp8, timed(lambda: engine.update_weights_from_tensor(fp8, weight_version="b2")))
+    if "disk" in paths:
+        from dsv4.checkpoint import generate_checkpoint
+        with tempfile.TemporaryDirectory() as d:
+            generate_checkpoint(cfg, d, force=True)
+            record("disk", named, timed(lambda: engine.update_weights_from_disk(d, weight_version="b3")))
+    if "distributed" in paths:
+        # NCCL needs the sender on another GPU than the engine; with one GPU the bytes go through gloo
+        backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
+        port = _free_port()
+        src = [t.to("cuda:1" if backend == "nccl" else "cpu") for _, t in named]
+
+        def sender():
+            g = sync.weight_group("127.0.0.1", port, 0, 2, backend)
+            for t in src:
+                sync.broadcast(g, t)
+
+        th = threading.Thread(target=sender)
+        th.start()
+        res = engine.init_weights_update_group("127.0.0.1", port, 1, 2, backend=backend)
+        if not res["success"]:
+            raise RuntimeError(res["message"])
+        names = [n for n, _ in named]
+        dtypes = [sync.dtype_name(t.dtype) for _, t in named]
+        shapes = [list(t.shape) for _, t in named]
+        secs = timed(lambda: engine.update_weights_from_distributed(names, dtypes, shapes, weight_version="b4"))
+        th.join()
+        record(f"distributed-{backend}", named, secs)
+    return rows
+
+
+def table(decode_rows: list[DecodeRow], bandwidth: float) -> str:
+    lines = [f"decode (roofline at the measured copy bandwidth {bandwidth / 1e9:.0f} GB/s)",
+             f"{'batch':>5} {'ms/step':>9} {'tokens/s':>10} {'weights MB':>11} {'KV MB':>8} {'roofline ms':>12} "
+             f"{'of roofline':>11}"]
+    for r in decode_rows:
+        lines.append(f"{r.batch:>5} {r.step_ms:>9.2f} {r.tokens_per_s:>10.1f} {r.weight_bytes / 1e6:>11.1f} "
+                     f"{r.kv_bytes / 1e6:>8.2f} {r.roofline_ms:>12.3f} {r.achieved:>11.1%}")
+    return "\n".join(lines)
