@@ -285,6 +285,61 @@ def bench_kernels(shapes, ops, no_torch, upstream, indexer, warmup, iters, as_js
     click.echo(table(rows))
 
 
+@bench.command("rollout")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--model", default=None, help="model preset (default: tiny on cpu, 4layer on cuda)")
+@click.option("--model-overrides", default=None,
+              help="model field overrides (default on cuda: n_routed_experts=8, the smoke's 4-layer model)")
+@click.option("--attn-impl", type=click.Choice(["auto", "torch", "tilelang"]), default="auto", show_default=True)
+@click.option("--batches", default="1,2,4,8,16,32,64", show_default=True)
+@click.option("--prompt-len", default=None, type=int, help="tokens fed before timing (default: 16 cpu, 256 cuda)")
+@click.option("--steps", default=8, show_default=True, help="timed decode steps per batch size")
+@click.option("--warmup", default=2, show_default=True)
+@click.option("--sync", "sync_paths", default="tensor,tensor-fp8,disk,distributed", show_default=True,
+              help="weight-update paths to time (empty: none)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
+def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len, steps, warmup, sync_paths,
+                  as_json):
+    """Decode tokens/s of the embedded rollout engine beside the HBM roofline of the same step, and the seconds
+    and GB/s of each weight-update path."""
+    import torch
+
+    from dsv4.config import parse_overrides
+    from dsv4.rl import bench as rb
+    from dsv4.rl.engine import EmbeddedEngine
+
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: no CUDA GPU is visible")
+    model = model or ("4layer" if cuda else "tiny")
+    overrides = parse_overrides(model_overrides if model_overrides is not None else
+                                ("n_routed_experts=8" if cuda else ""))
+    if attn_impl != "auto":
+        overrides["attn_impl"] = attn_impl
+    elif cuda:
+        overrides["attn_impl"] = "tilelang"
+    dev = "cuda" if cuda else "cpu"
+    say = (lambda m: click.echo(m, err=True))
+    say(f"[bench] building {model} {overrides or ''} on {dev}")
+    engine = EmbeddedEngine.from_preset(model, [f"{k}={v}" for k, v in overrides.items()], device=dev)
+    bw = rb.copy_bandwidth(engine.device)
+    rows = rb.bench_decode(engine, [int(b) for b in batches.split(",") if b], prompt_len or (256 if cuda else 16),
+                           steps, warmup, bw, say)
+    sync_rows = rb.bench_sync(engine, [p for p in sync_paths.split(",") if p], say)
+    report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": model, "overrides": overrides,
+              "copy_bandwidth_gb_s": bw / 1e9, "decode": [asdict(r) for r in rows],
+              "sync": [asdict(r) for r in sync_rows]}
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"device: {report['device']}   model: {model} {overrides or ''}")
+    click.echo(rb.table(rows, bw))
+    if sync_rows:
+        click.echo(f"{'weight update':<24} {'tensors':>7} {'GB':>8} {'s':>8} {'GB/s':>7}")
+        for r in sync_rows:
+            click.echo(f"{r.path:<24} {r.tensors:>7} {r.bytes / 1e9:>8.3f} {r.seconds:>8.3f} {r.gb_per_s:>7.2f}")
+
+
 def with_speedups(rows: list[Row]) -> list[Row]:
     """Set each TileLang row's speedup over the torch and the FlashMLA row of its shape and pass (where those ran)."""
     def medians(impl):
