@@ -225,9 +225,13 @@ def indexer_kl_loss(index_logits: torch.Tensor, cmp_idx: torch.Tensor, q: torch.
 
 # ---------------------------------------------------------------------------------------------- MoE pieces
 def route(logits: torch.Tensor, score_func: str, topk: int, route_scale: float,
-          bias: torch.Tensor | None = None, hash_idx: torch.Tensor | None = None):
+          bias: torch.Tensor | None = None, hash_idx: torch.Tensor | None = None,
+          replay: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Router: scores from fp32 logits; experts = hash table row, else top-k of (scores + bias) where the
-    bias only steers selection; weights = the chosen (unbiased) scores, renormalised unless softmax, x scale."""
+    bias only steers selection; weights = the chosen (unbiased) scores, renormalised unless softmax, x scale.
+    `replay` = (experts [T, k], mask [T] bool): rows where the mask is set take the given experts instead of
+    their own choice (RL routing replay); the weights are still the router's scores of those experts, so the
+    router keeps its gradient."""
     if score_func == "softmax":
         s = logits.softmax(-1)
     elif score_func == "sigmoid":
@@ -238,6 +242,8 @@ def route(logits: torch.Tensor, score_func: str, topk: int, route_scale: float,
         idx = hash_idx.long()
     else:
         idx = (s.detach() if bias is None else s.detach() + bias.float()).topk(topk, dim=-1).indices
+    if replay is not None:
+        idx = torch.where(replay[1].unsqueeze(-1), replay[0].to(idx.dtype), idx)
     w = s.gather(-1, idx)
     if score_func != "softmax":
         w = w / w.sum(-1, keepdim=True)
@@ -422,12 +428,13 @@ class Gate(nn.Module):
             self.bias = None
         else:
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
+        self.replay: tuple[torch.Tensor, torch.Tensor] | None = None  # set by dsv4.rl.replay.replayed_routes
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
         logits = F.linear(x.float(), self.weight.float())
         hash_idx = self.tid2eid[input_ids] if self.hash else None
         return route(logits, self.cfg.score_func, self.cfg.n_activated_experts, self.cfg.route_scale,
-                     self.bias, hash_idx)
+                     self.bias, hash_idx, None if self.hash else self.replay)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:
