@@ -18,6 +18,7 @@ COMMANDS = {
     "ckpt": "launcher.commands.ckpt:ckpt",
     "bench": "launcher.commands.bench:bench",
     "nan": "launcher.commands.nan:nan",
+    "rl": "launcher.commands.rl:rl",
     "completion": "launcher.cli:completion",
 }
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -245,7 +246,7 @@ class EmbeddedEngine:
         for i, r in enumerate(reqs):
             p, n = len(r.input_ids), out_len[i]
             out_ids = seq[i, p:p + n].tolist()
-            meta = {"id": r.rid or f"embedded-{id(r):x}", "finish_reason": finish[i], "prompt_tokens": p,
+            meta = {"id": r.rid or uuid.uuid4().hex, "finish_reason": finish[i], "prompt_tokens": p,
                     "completion_tokens": n, "cached_tokens": 0, "weight_version": version,
                     "e2e_latency": elapsed}
             if r.return_logprob:
