@@ -304,11 +304,11 @@ class EmbeddedEngine:
         if mode not in ("abort", "retract", "in_place"):
             raise RequestError("mode", f"{mode!r}: one of abort, retract, in_place")
         self._block("pause", abort=mode == "abort")
-        return {"message": "Generation paused successfully.", "status": "ok"}
+        return {"success": True, "message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self) -> dict:
         self._unblock("pause")
-        return {"message": "Generation continued successfully.", "status": "ok"}
+        return {"success": True, "message": "Generation continued successfully.", "status": "ok"}
 
     def begin_weight_update(self) -> dict:
         self._block("update")
@@ -454,7 +454,7 @@ class EmbeddedEngine:
 
     def model_info(self) -> dict:
         c = self.cfg
-        return {"model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": None,
+        return {"model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": "",
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
                 "load_format": None, "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"],
                 "engine": "embedded", "num_hidden_layers": c.n_layers, "num_experts_per_tok": c.n_activated_experts,
