@@ -429,12 +429,20 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
         self.replay: tuple[torch.Tensor, torch.Tensor] | None = None  # set by dsv4.rl.replay.replayed_routes
+        self.replay_agree: torch.Tensor | None = None  # [2]: replayed rows whose own choice was the same, all replayed
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
         logits = F.linear(x.float(), self.weight.float())
         hash_idx = self.tid2eid[input_ids] if self.hash else None
-        return route(logits, self.cfg.score_func, self.cfg.n_activated_experts, self.cfg.route_scale,
-                     self.bias, hash_idx, None if self.hash else self.replay)
+        replay = None if self.hash else self.replay
+        w, idx = route(logits, self.cfg.score_func, self.cfg.n_activated_experts, self.cfg.route_scale,
+                       self.bias, hash_idx, replay)
+        if replay is not None:  # how often replay overrode the router (no host sync: read after the step)
+            with torch.no_grad():
+                own = route(logits, self.cfg.score_func, self.cfg.n_activated_experts, 1.0, self.bias)[1]
+                same = (own.sort(-1).values == replay[0].to(own.dtype).sort(-1).values).all(-1) & replay[1]
+                self.replay_agree = torch.stack([same.sum(), replay[1].sum()]).float()
+        return w, idx
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:

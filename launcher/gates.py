@@ -128,7 +128,48 @@ def step_time(rows, run_dir, cfg) -> GateResult:
                       f"median steady step {median:.2f} s vs budget {budget:.1f} s")
 
 
-GATES = {f.__name__: f for f in (finite_loss, loss_decreasing, reload_equal, peak_memory, step_time)}
+def reward_rising(rows, run_dir, cfg) -> GateResult:
+    """RL: the mean reward of the last window beats the first window's by PRESET_RL_REWARD_RISE."""
+    w, margin = max(1, cfg["PRESET_RL_GATE_WINDOW"]), cfg["PRESET_RL_REWARD_RISE"]
+    if len(rows) < 2 * w:
+        return GateResult("reward_rising", False, f"needs >= {2 * w} steps (two windows of PRESET_RL_GATE_WINDOW={w}), "
+                                                  f"got {len(rows)}")
+    if bad := _nonfinite_steps(rows, "reward_mean"):
+        return GateResult("reward_rising", False, f"no finite reward_mean at step(s) {bad[:10]}")
+    first = statistics.mean(r["reward_mean"] for r in rows[:w])
+    last = statistics.mean(r["reward_mean"] for r in rows[-w:])
+    return GateResult("reward_rising", last >= first + margin,
+                      f"mean reward {first:.3f} (steps {rows[0]['step']}-{rows[w - 1]['step']}) -> {last:.3f} "
+                      f"(steps {rows[-w]['step']}-{rows[-1]['step']}); needs a rise of {margin:g}")
+
+
+def logprob_match(rows, run_dir, cfg) -> GateResult:
+    """RL: the trainer's logprob of every response token matches the rollout engine's within PRESET_RL_LOGPROB_TOL."""
+    tol = cfg["PRESET_RL_LOGPROB_TOL"]
+    if bad := _nonfinite_steps(rows, "logprob_diff_max"):
+        return GateResult("logprob_match", False, f"no finite logprob_diff_max at step(s) {bad[:10]}")
+    worst = max(rows, key=lambda r: r["logprob_diff_max"])
+    return GateResult("logprob_match", worst["logprob_diff_max"] <= tol,
+                      f"max |trainer - rollout| logprob {worst['logprob_diff_max']:.2e} (step {worst['step']}) "
+                      f"vs tolerance {tol:g}")
+
+
+def weights_synced(rows, run_dir, cfg) -> GateResult:
+    """RL: after every sync the engine's weights read back equal to the trainer's (within the FP8 bound)."""
+    unread = [r["step"] for r in rows if r.get("weights_synced") is None]
+    if unread:
+        return GateResult("weights_synced", False, f"no read-back of the engine's weights at step(s) {unread[:10]}")
+    bad = [r["step"] for r in rows if not r["weights_synced"]]
+    worst = max(r.get("sync_max_err", 0.0) for r in rows)
+    fmt = cfg["PRESET_RL_SYNC_FORMAT"]
+    bound = "exact" if fmt == "full" else "within the FP8 bound"
+    return GateResult("weights_synced", not bad, f"{len(rows) - len(bad)}/{len(rows)} syncs {bound} ({fmt}); "
+                                                 f"max |engine - trainer| {worst:.2e}"
+                                                 + (f"; off at step(s) {bad[:10]}" if bad else ""))
+
+
+GATES = {f.__name__: f for f in (finite_loss, loss_decreasing, reload_equal, peak_memory, step_time,
+                                   reward_rising, logprob_match, weights_synced)}
 
 
 # --- stage order -----------------------------------------------------------------------------------

@@ -391,13 +391,19 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
         "tokens_per_s": (sum(r.get("tokens_per_s", 0) for r in steady) / len(steady)) if steady else None,
         "peak_mem_gb": max((r.get("peak_mem_gb") or 0) for r in rows) if rows else None,
     }
+    rl = cfg["PRESET_MODE"] == "rl" and any("reward_mean" in r for r in rows)
+    if rl:   # the reward curve's start and end: the mean of the gate's first and last windows
+        w = max(1, min(cfg["PRESET_RL_GATE_WINDOW"], len(rows)))
+        summary["reward_first"] = sum(r["reward_mean"] for r in rows[:w]) / w
+        summary["reward_last"] = sum(r["reward_mean"] for r in rows[-w:]) / w
     run.write_json("summary.json", summary)
     if as_json:
         print(json.dumps(summary, indent=2))
     nxt = NEXT_STAGE.get(cfg["PRESET_STAGE"])
     fmt = lambda v, f: "-" if v is None else format(v, f)
-    say(f"\nrun {plan.run_id} PASSED in {elapsed:.0f} s: {summary['steps']} steps, "
-        f"loss {fmt(summary['loss_first'], '.4f')} -> {fmt(summary['loss_last'], '.4f')}, "
+    progress = (f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} (first/last {w} steps)"
+                if rl else f"loss {fmt(summary['loss_first'], '.4f')} -> {fmt(summary['loss_last'], '.4f')}")
+    say(f"\nrun {plan.run_id} PASSED in {elapsed:.0f} s: {summary['steps']} steps, {progress}, "
         f"{fmt(summary['step_time_s'], '.2f')} s/step, {fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
         f"peak {fmt(summary['peak_mem_gb'], '.2f')} GB")
     say("next:")

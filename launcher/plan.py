@@ -53,10 +53,10 @@ PIPELINE: dict[str, StepDef] = {
                         inputs=("checkpoints/", "V4_SFT_DATA"), outputs=("steps/evaluate/eval.json",)),
 }
 RL_TRAIN = StepDef("jobs.train_rl", "GRPO with the embedded rollout engine",
-                   inputs=("CKPT_TORCH_DIST", "V4_SFT_DATA"), outputs=("checkpoints/", "metrics.jsonl"))
+                   inputs=("CKPT_TORCH_DIST",), outputs=("checkpoints/", "metrics.jsonl"))
 # The same step when the rollouts come from SGLang servers (V4_ROLLOUT_ENGINE=sglang): they load the BF16 checkpoint.
 RL_TRAIN_SGLANG = StepDef("jobs.train_rl", "GRPO against the SGLang rollout servers (ROLLOUT_URLS)",
-                          inputs=("CKPT_TORCH_DIST", "CKPT_BF16_DIR", "V4_SFT_DATA"),
+                          inputs=("CKPT_TORCH_DIST", "CKPT_BF16_DIR"),
                           outputs=("checkpoints/", "metrics.jsonl"))
 
 GATES = {
@@ -65,6 +65,9 @@ GATES = {
     "reload_equal": "save -> reload -> the next step's loss is identical",
     "peak_memory": "peak memory per GPU under HW_PEAK_MEM_BUDGET_GB",
     "step_time": "steady-state step time under HW_STEP_TIME_BUDGET_S",
+    "reward_rising": "RL: the last window's mean reward beats the first window's by PRESET_RL_REWARD_RISE",
+    "logprob_match": "RL: trainer and rollout logprobs of every response token within PRESET_RL_LOGPROB_TOL",
+    "weights_synced": "RL: after every sync the engine's weights read back equal to the trainer's",
 }
 
 # Ray uploads the checkout as each job's working_dir; these never travel (nor, by working_dir_excludes, what git ignores).

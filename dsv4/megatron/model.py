@@ -113,9 +113,12 @@ class DSV4Stage(nn.Module):
 
     # ---------------------------------------------------------------------------------- forward
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None, aux_weight: float | None = None) -> torch.Tensor:
+                loss_mask: torch.Tensor | None = None, aux_weight: float | None = None,
+                score: dict | None = None) -> torch.Tensor:
         """ids/labels/loss_mask [B, S] (every stage gets the whole micro-batch). aux_weight: weight of each
-        ratio-4 layer's indexer loss in the backward (None: not computed)."""
+        ratio-4 layer's indexer loss in the backward (None: not computed). score = {"temperature": float,
+        "allowed": [V] bool | None} makes the last stage return the log-probability of each label under
+        logits / temperature over the allowed tokens, [B, S] fp32 (RL: how the rollout engine sampled)."""
         cfg = self.cfg
         if self.ranks.first_stage:
             X = self.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
@@ -130,6 +133,8 @@ class DSV4Stage(nn.Module):
         if not self.ranks.last_stage:
             return self._streams_out(X)
         logits = self.head_logits(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm)
+        if score is not None:
+            return -self.cross_entropy(self._scored_logits(logits, score), labels)
         lm = (self.cross_entropy(logits, labels) * loss_mask).sum()
         mtp = torch.zeros((), device=lm.device)
         if self.train_mtp:
@@ -145,6 +150,18 @@ class DSV4Stage(nn.Module):
         """Vocab-parallel logits [B, S, V/TP] (fp32) of the streams X [B, S/TP, hc, dim]."""
         y = ref.hc_head(X, fn, scale, base, self.cfg.hc_eps, self.cfg.norm_eps)
         return F.linear(sp_gather(norm(y).float()), self.head.weight.float())
+
+    def _scored_logits(self, logits: torch.Tensor, score: dict) -> torch.Tensor:
+        """logits / temperature, tokens outside the allowed set pushed to -1e30 (finite: the vocab-parallel
+        cross-entropy subtracts a max; exp underflows to 0 exactly, as -inf would)."""
+        t = float(score.get("temperature") or 1.0)
+        logits = logits / t if t != 1.0 else logits
+        allowed = score.get("allowed")
+        if allowed is not None:
+            n = logits.shape[-1]                                  # this TP rank's vocabulary slice
+            part = allowed.to(logits.device)[self.ranks.tp_rank * n:(self.ranks.tp_rank + 1) * n]
+            logits = logits.masked_fill(~part, -1e30)
+        return logits
 
     def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.ranks.tp == 1:

@@ -253,7 +253,15 @@ def derive_and_check(cfg: Config) -> None:
         d[key] = Derived(path, formula)
 
     # -- batch and token budget -------------------------------------------------------------------
-    if dp and v["PRESET_GLOBAL_BATCH_SIZE"] % (v["PRESET_MICRO_BATCH_SIZE"] * dp):
+    if v["PRESET_MODE"] == "rl":
+        # an RL step trains on every sample it rolled out: the global batch is prompts x group
+        samples = v["PRESET_RL_PROMPTS_PER_STEP"] * v["PRESET_RL_GROUP_SIZE"]
+        d["RL_SAMPLES_PER_STEP"] = Derived(samples, "PRESET_RL_PROMPTS_PER_STEP * PRESET_RL_GROUP_SIZE")
+        if dp and samples % (min(v["PRESET_MICRO_BATCH_SIZE"], samples) * dp):
+            errors.append(f"{samples} samples per RL step ({at(cfg, 'PRESET_RL_PROMPTS_PER_STEP')} x "
+                          f"{at(cfg, 'PRESET_RL_GROUP_SIZE')}) are not a multiple of MICRO_BATCH_SIZE*DP = "
+                          f"{v['PRESET_MICRO_BATCH_SIZE']}*{dp}")
+    elif dp and v["PRESET_GLOBAL_BATCH_SIZE"] % (v["PRESET_MICRO_BATCH_SIZE"] * dp):
         errors.append(f"{at(cfg, 'PRESET_GLOBAL_BATCH_SIZE')} is not a multiple of "
                       f"MICRO_BATCH_SIZE*DP = {v['PRESET_MICRO_BATCH_SIZE']}*{dp}")
     tokens_per_gpu = v["PRESET_SEQ_LEN"] * v["PRESET_MICRO_BATCH_SIZE"] // cp
@@ -261,7 +269,7 @@ def derive_and_check(cfg: Config) -> None:
     if tokens_per_gpu > v["HW_MAX_TOKENS_PER_GPU"]:
         errors.append(f"{tokens_per_gpu} tokens per GPU (SEQ_LEN*MICRO_BATCH_SIZE/CP) exceed "
                       f"{at(cfg, 'HW_MAX_TOKENS_PER_GPU')}; {at(cfg, 'PRESET_SEQ_LEN')}, {at(cfg, 'PRESET_CP')}")
-    if d["DP"].value:
+    if d["DP"].value and v["PRESET_MODE"] != "rl":
         d["GRAD_ACCUM_STEPS"] = Derived(v["PRESET_GLOBAL_BATCH_SIZE"] // (v["PRESET_MICRO_BATCH_SIZE"] * dp),
                                         "GLOBAL_BATCH_SIZE / (MICRO_BATCH_SIZE * DP)")
 

@@ -1,0 +1,443 @@
+"""GRPO on megatron-core: rollout -> reward -> group advantages -> PPO-clip step -> weight sync, every step.
+
+The trainer is `dsv4.megatron.train.Trainer` (its stage, DDP, optimizer, scheduler, checkpoints and non-finite
+monitor) with the SFT loss swapped for the policy loss (`RLTrainer`); the rollout engine is anything that speaks
+`dsv4.rl.api.RolloutEngine`, normally the embedded engine in this process. One step:
+1. the task's prompts for this step (a pure function of seed and step, so a resumed run sees the same ones),
+   `group_size` samples each with sampling seeds derived from (seed, step, index);
+2. rewards, group-normalised advantages (`grpo.group_advantages`);
+3. one optimizer step over all samples: the trainer scores each response under the rollout's temperature and
+   allowed tokens, with routing replay (`replay.py`), and takes the PPO-clip loss. There is one update per
+   rollout, so the old policy is the current one (ratio 1, clip fraction 0); what the clip and TIS guard
+   against here is the trainer/rollout mismatch, which `logprob_mismatch` reports;
+4. weight sync: pause -> flush -> begin -> buckets -> end -> continue, `weight_version` = the step, and a read
+   back of the engine's weights against the trainer's (`weights_synced`).
+
+Runs at world 1 (the embedded engine and the trainer in one process). Larger worlds need the engine on its own
+ranks or SGLang servers, and a gather of the trainer's shards before sync; not built yet.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dsv4 import quant
+from dsv4.megatron.train import (Outputs, Trainer, TrainConfig, _restore, _stop_nonfinite, peak_memory_gb,
+                                 split_micro_batches)
+from dsv4.rl import grpo, sync
+from dsv4.rl.api import GenerateRequest, SamplingParams
+from dsv4.rl.replay import routes_tensor
+
+
+@dataclass
+class RLConfig:
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 1
+    temperature: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    tis_cap: float = 0.0
+    std_normalize: bool = True
+    sync_path: str = "inproc"          # inproc | broadcast | disk
+    sync_format: str = "full"          # full | fp8
+    bucket_mb: int = 1024
+    replay: bool = True
+    dead_steps: int = 5
+    seed: int = 0
+    allowed_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = None
+    scratch: Path | None = None        # where the disk sync writes its checkpoint
+    extra: dict = field(default_factory=dict)
+
+
+# ================================================================================================ the trainer
+class RLTrainer(Trainer):
+    """Trainer whose micro-batches carry RL fields and whose loss is GRPO's. A micro-batch:
+    tokens [b, S+1], loss_mask [b, S] (response tokens, in label positions), adv [b], rollout_logp [b, S],
+    optional ref_logp [b, S], routes [b, S, L, k] + replay_mask [b, S]."""
+
+    def __init__(self, tc: TrainConfig, rl: RLConfig, init=None):
+        super().__init__(tc, init)
+        self.rl = rl
+        self.allowed = None
+        if rl.allowed_token_ids:
+            self.allowed = torch.zeros(tc.model.vocab_size, dtype=torch.bool)
+            self.allowed[rl.allowed_token_ids] = True
+        self._stats: list[dict] = []
+        self._agree = torch.zeros(2)
+
+    def _gates(self):
+        return {int(i): layer.ffn.gate for i, layer in self.stage.layers.items()}
+
+    def _set_replay(self, mb: dict) -> None:
+        from dsv4.megatron.parallel import sp_slice
+        routes = mb.get("routes")
+        for i, gate in self._gates().items():
+            if routes is None or gate.hash:
+                gate.replay = None
+                continue
+            r, m = routes[:, :, i], mb["replay_mask"]
+            if self.ranks.tp > 1 and self.ranks.etp == 1:   # each TP rank routes its own sequence slice
+                r, m = sp_slice(r), sp_slice(m)
+            dev = self.tc.device
+            gate.replay = (r.reshape(-1, r.shape[-1]).to(dev), m.reshape(-1).to(dev))
+
+    def clear_replay(self) -> None:
+        for gate in self._gates().values():
+            gate.replay, gate.replay_agree = None, None
+
+    def _forward_step(self, data_iterator, model):
+        mb = next(data_iterator)
+        dev, rl = self.tc.device, self.rl
+        tokens, mask = mb["tokens"].to(dev), mb["loss_mask"].to(dev)
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        self._set_replay(mb)
+        logp = model(ids, labels, mask.float(), score={"temperature": rl.temperature, "allowed": self.allowed})
+        for gate in self._gates().values():
+            if gate.replay_agree is not None:
+                self._agree += gate.replay_agree.detach().cpu()
+        adv, rollout = mb["adv"].to(dev), mb["rollout_logp"].to(dev)
+        ref = mb.get("ref_logp")
+
+        def loss_func(logp):
+            loss, st = grpo.policy_loss(
+                logp, logp.detach(), adv, mask, rl.clip_low, rl.clip_high,
+                rollout_logp=rollout, tis_cap=rl.tis_cap or None,
+                ref_logp=None if ref is None else ref.to(dev), kl_coef=rl.kl_coef)
+            st.update(grpo.logprob_mismatch(logp.detach(), rollout, mask))
+            self._stats.append(st)
+            n = st["samples"]
+            # megatron divides the summed gradients by the summed counts: sum over samples / samples = mean
+            count = torch.tensor(n, dtype=torch.int, device=logp.device)
+            sums = torch.stack([loss.detach() * n, torch.tensor(float(n), device=logp.device)])
+            return loss * n, count, {"lm": sums, "mtp": torch.zeros_like(sums)}
+        return logp, loss_func
+
+    def rl_step(self, micro: list[dict]):
+        self._stats, self._agree = [], torch.zeros(2)
+        try:
+            res = self.step(micro)
+        finally:
+            self.clear_replay()
+        return res, self._stats, (float(self._agree[0] / self._agree[1]) if self._agree[1] > 0 else None)
+
+
+# ================================================================================================ data
+def build_batch(samples, results, advantages: torch.Tensor, seq_len: int, cfg, replay: bool) -> dict:
+    """Rollout results -> one global batch of training rows (see RLTrainer), padded to seq_len + 1 tokens."""
+    N = len(results)
+    tokens = torch.zeros(N, seq_len + 1, dtype=torch.long)
+    mask = torch.zeros(N, seq_len, dtype=torch.bool)
+    rollout = torch.zeros(N, seq_len)
+    for b, (s, res) in enumerate(zip(samples, results)):
+        seq = s.prompt_ids + res.output_ids
+        if len(seq) > seq_len + 1:
+            raise ValueError(f"sample {b}: {len(seq)} tokens exceed the training sequence ({seq_len + 1})")
+        tokens[b, :len(seq)] = torch.tensor(seq)
+        p, n = len(s.prompt_ids), len(res.output_ids)
+        mask[b, p - 1:p + n - 1] = True             # label position t predicts token t + 1
+        rollout[b, p - 1:p + n - 1] = torch.tensor(res.logprobs, dtype=torch.float32)
+    batch = {"tokens": tokens, "loss_mask": mask, "adv": advantages.float(), "rollout_logp": rollout}
+    if replay:
+        batch["routes"], batch["replay_mask"] = routes_tensor(
+            [(len(s.prompt_ids) + len(r.output_ids), 0, r.routed_experts) for s, r in zip(samples, results)],
+            seq_len, cfg.n_layers, cfg.n_activated_experts)
+    return batch
+
+
+def sampling_seed(seed: int, step: int, index: int) -> int:
+    return (seed * 1_000_003 + step * 65_537 + index) & 0x7FFFFFFF
+
+
+# ================================================================================================ weight sync
+def _atomic_key(name: str) -> str:
+    """Tensors a receiver fuses (SGLang packs wq_a+wkv, and each compressor's wkv+wgate) or reads together (a
+    weight and its scale) share a key, so a bucket never splits them."""
+    base = name.removesuffix(".weight").removesuffix(".scale")
+    for fused, group in ((".attn.wq_a", ".attn.qkv"), (".attn.wkv", ".attn.qkv"),
+                         (".compressor.wkv", ".compressor"), (".compressor.wgate", ".compressor")):
+        if base.endswith(fused):
+            return base[:-len(fused)] + group
+    return base
+
+
+def sync_tensors(stage, cfg, fmt: str) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's weights as official-named tensors: as stored, or FP8 e4m3 blocks + power-of-two scales
+    for the weights the release stores in FP8 or FP4 (the rollout runs FP8 experts, as SGLang with
+    SGLANG_DSV4_FP4_EXPERTS=0)."""
+    out = []
+    for name, p, copy in stage.checkpoint_params():
+        if copy:
+            continue
+        t = p.detach()
+        if fmt == "fp8" and t.dim() == 2 and cfg.storage_format(name) in ("fp8", "fp4"):
+            q, s = quant.weight_quant_fp8(t, 128, ue8m0=True)
+            out += [(name, q), (name[:-len("weight")] + "scale", s)]
+        else:
+            out.append((name, t))
+    return out
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], limit_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    groups: dict[str, list] = {}
+    for n, t in named:
+        groups.setdefault(_atomic_key(n), []).append((n, t))
+    out, cur, size = [], [], 0
+    for g in groups.values():
+        nbytes = sum(t.numel() * t.element_size() for _, t in g)
+        if cur and size + nbytes > limit_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur += g
+        size += nbytes
+    return out + ([cur] if cur else [])
+
+
+@dataclass
+class SyncReport:
+    seconds: float
+    bytes: int
+    max_err: float          # max |engine - trainer| over the weights read back
+    bound_ok: bool          # every read-back value within the format's bound
+    version: str
+
+
+def push_weights(engine, stage, cfg, rl: RLConfig, version: str) -> SyncReport:
+    named = sync_tensors(stage, cfg, rl.sync_format)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    t0 = time.perf_counter()
+    engine.pause_generation(mode="retract")
+    engine.flush_cache()
+    engine.begin_weight_update()
+    try:
+        parts = buckets(named, rl.bucket_mb << 20)
+        if rl.sync_path == "inproc":
+            for b in parts:
+                _ok(engine.update_weights_from_tensor(b, weight_version=version))
+        elif rl.sync_path == "broadcast":
+            _broadcast(engine, parts, version)
+        elif rl.sync_path == "disk":
+            _ok(engine.update_weights_from_disk(str(_write_disk(named, cfg, rl.scratch)), weight_version=version))
+        else:
+            raise ValueError(f"sync path {rl.sync_path!r}: inproc, broadcast or disk")
+    finally:
+        engine.end_weight_update()
+        engine.continue_generation()
+    seconds = time.perf_counter() - t0
+    err, ok = _read_back(engine, stage, rl.sync_format)
+    return SyncReport(seconds, nbytes, err, ok, version)
+
+
+def _ok(res: dict) -> None:
+    if not res.get("success"):
+        raise RuntimeError(f"weight update refused by the rollout engine: {res.get('message')}")
+
+
+def _broadcast(engine, parts, version: str) -> None:
+    """Rank 0 of a fresh two-member group is this trainer; the engine joins as rank 1 (its call runs in a
+    thread because joining blocks until both sides are there, as SGLang's does)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if parts and parts[0][0][1].is_cuda and torch.cuda.device_count() > 1 else "gloo"
+    answers: list[dict] = []
+
+    def call(fn, *a, **kw):
+        th = threading.Thread(target=lambda: answers.append(fn(*a, **kw)))
+        th.start()
+        return th
+
+    th = call(engine.init_weights_update_group, "127.0.0.1", port, 1, 2, group_name="v4-sync", backend=backend)
+    group = sync.weight_group("127.0.0.1", port, 0, 2, backend, "v4-sync")
+    th.join()
+    _ok(answers.pop())
+    try:
+        for b in parts:
+            names = [n for n, _ in b]
+            th = call(engine.update_weights_from_distributed, names, [sync.dtype_name(t.dtype) for _, t in b],
+                      [list(t.shape) for _, t in b], group_name="v4-sync", weight_version=version)
+            for _, t in b:
+                sync.broadcast(group, t.contiguous() if backend == "nccl" else t.cpu().contiguous())
+            th.join()
+            _ok(answers.pop())
+    finally:
+        engine.destroy_weights_update_group("v4-sync")
+
+
+def _write_disk(named, cfg, scratch: Path | None) -> Path:
+    """A checkpoint directory the engine's update_weights_from_disk reads: official names, config.json."""
+    import json
+
+    from safetensors.torch import save_file
+    d = Path(scratch or "/tmp") / "rl_sync"
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().cpu().contiguous() for n, t in named}, str(d / "model.safetensors.tmp"))
+    (d / "model.safetensors.tmp").replace(d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=1))
+    return d
+
+
+def _read_back(engine, stage, fmt: str, probe: int = 4096) -> tuple[float, bool | None]:
+    """max |engine - trainer| over the first `probe` values of every parameter, and whether each is within the
+    format's bound: 0 for full (an exact copy); for FP8 e4m3 blocks with power-of-two scales s, round to nearest
+    with a 3-bit mantissa, |w - q| <= 2^-4 |w|, plus 2^-10 s for values in e4m3's subnormal range (spacing 2^-9 s),
+    with s bounded by the tensor's largest block scale, pow2ceil(max |w| / 448). None: the engine cannot be read."""
+    if not hasattr(engine, "get_weights_by_name"):
+        return float("nan"), None
+    worst, ok = 0.0, True
+    for name, p, copy in stage.checkpoint_params():
+        if copy:
+            continue
+        got = torch.tensor(engine.get_weights_by_name(name, truncate_size=probe))
+        want = p.detach().flatten()[:probe].float().cpu()
+        err = (got - want).abs()
+        worst = max(worst, float(err.max()) if err.numel() else 0.0)
+        if fmt == "full" or err.max() == 0:
+            ok &= bool(err.max() == 0) if err.numel() else True
+        else:
+            s_max = float(quant.pow2_ceil(p.detach().abs().max().float().cpu() / 448.0))
+            ok &= bool((err <= 2.0 ** -4 * want.abs() + 2.0 ** -10 * s_max).all())
+    return worst, ok
+
+
+# ================================================================================================ the loop
+def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, out: Outputs,
+             on_metrics: Callable[[dict], None] = lambda row: None, log: Callable[[str], None] = print) -> int:
+    """tc.num_steps GRPO steps (resuming from out.checkpoints). Returns 0, 1 (no learning signal) or 16."""
+    from dsv4.rl.tasks import score
+    if dist.get_world_size() != 1:
+        raise ValueError(f"RL runs at world 1 for now (got {dist.get_world_size()}); set the layout to one process")
+    trainer = RLTrainer(tc, rl, init=None)
+    start = _restore(trainer, out, log)
+    cfg = tc.model
+    ref_model = _reference_policy(trainer, rl, out, start) if rl.kl_coef > 0 else None
+    rep = push_weights(engine, trainer.stage, cfg, rl, str(start))
+    log(f"weights synced to the rollout engine (version {start}, {rep.bytes / 1e6:.1f} MB, {rep.seconds:.2f} s, "
+        f"{rl.sync_path}/{rl.sync_format})")
+    n = rl.prompts_per_step * rl.group_size
+    dead, seen = 0, (math.inf, -math.inf)
+    kill_at = int(os.environ.get("V4_KILL_AT_STEP", "0") or 0)     # test hook, as in the SFT loop
+    for step in range(start + 1, tc.num_steps + 1):
+        t0 = time.perf_counter()
+        if step == kill_at:
+            log(f"V4_KILL_AT_STEP={kill_at}: killing the job at the start of step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        prompts = task.prompts(step, rl.prompts_per_step, rl.seed)
+        samples = [s for s in prompts for _ in range(rl.group_size)]
+        reqs = [GenerateRequest(s.prompt_ids, SamplingParams(
+                    max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+                    allowed_token_ids=rl.allowed_token_ids, stop_token_ids=rl.stop_token_ids,
+                    sampling_seed=sampling_seed(rl.seed, step, i)),
+                    return_logprob=True, return_routed_experts=rl.replay) for i, s in enumerate(samples)]
+        t_roll = time.perf_counter()
+        results = engine.generate(reqs)
+        rollout_s = time.perf_counter() - t_roll
+        stale = {r.meta_info.get("weight_version") for r in results} - {str(step - 1)}
+        if stale:
+            raise RuntimeError(f"step {step}: rollouts came from weight version(s) {sorted(stale)}, expected "
+                               f"{step - 1}: the engine did not take the last sync")
+        rewards = torch.tensor(score(reward_fn, samples, [r.output_ids for r in results]))
+        adv, live = grpo.group_advantages(rewards, rl.group_size, rl.std_normalize)
+        live_groups = float(live.view(-1, rl.group_size)[:, 0].float().mean())
+        batch = build_batch(samples, results, adv, tc.seq_len, cfg, rl.replay)
+        if ref_model is not None:
+            batch["ref_logp"] = _ref_logp(ref_model, batch, rl, trainer.allowed)
+        res, stats, agree = trainer.rl_step(split_micro_batches(batch, tc.micro_batch_size))
+        if not res.finite:
+            return _stop_nonfinite(trainer, res, out, log)
+        rep = push_weights(engine, trainer.stage, cfg, rl, str(step))
+        row = _metrics_row(step, res, stats, rewards, live_groups, results, rollout_s, rep, agree, n, tc,
+                           time.perf_counter() - t0)
+        on_metrics(row)
+        log(f"step {step}/{tc.num_steps} reward {row['reward_mean']:.3f} (live groups {live_groups:.2f}) "
+            f"loss {res.loss:.4f} |dlogp| max {row['logprob_diff_max']:.2e} route agree "
+            f"{'-' if agree is None else f'{agree:.3f}'} sync {rep.seconds:.2f} s {row['step_time_s']:.2f} s")
+        if step % tc.save_interval == 0 or step == tc.num_steps:
+            log(f"saved {trainer.save(out.checkpoints)}")
+        seen = (min(seen[0], float(rewards.min())), max(seen[1], float(rewards.max())))
+        # no group with differing rewards: solved when every sample earns the best reward the run has seen
+        # (and it has seen worse), stuck otherwise (collapsed, or no signal from the start)
+        solved = bool((rewards == seen[1]).all()) and seen[0] < seen[1]
+        dead = dead + 1 if live_groups == 0 and not solved else 0
+        if live_groups == 0 and solved:
+            log(f"step {step}: every sample earned the best reward ({seen[1]:g}): nothing left to learn from")
+        if dead == 1:
+            log(f"warning: step {step}: every group's rewards are equal, so there is no advantage to learn from. "
+                f"Raise PRESET_RL_TEMPERATURE or PRESET_RL_GROUP_SIZE, or use a task whose reward varies at the "
+                f"start (docs/rl.md); the run stops after {rl.dead_steps} such steps in a row")
+        if dead >= rl.dead_steps:
+            log(f"error: {dead} steps in a row without a group whose rewards differ: stopping (exit 1)")
+            return 1
+    return 0
+
+
+def _metrics_row(step, res, stats, rewards, live_groups, results, rollout_s, rep, agree, n, tc, step_s) -> dict:
+    def tok_mean(key):
+        toks = sum(s["tokens"] for s in stats)
+        return sum(s[key] * s["tokens"] for s in stats) / toks if toks else float("nan")
+    out_tokens = sum(len(r.output_ids) for r in results)
+    all_tokens = sum(r.meta_info["prompt_tokens"] + len(r.output_ids) for r in results)
+    row = {"step": step, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
+           "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+           "live_groups": live_groups, "response_len": out_tokens / len(results),
+           "logprob_diff_mean": tok_mean("train_rollout_logprob_abs_diff"),
+           "logprob_diff_max": max(s["train_rollout_logprob_abs_diff_max"] for s in stats),
+           "rollout_kl": tok_mean("train_rollout_kl"), "pg_clipfrac": tok_mean("pg_clipfrac"),
+           "ppo_kl": tok_mean("ppo_kl"), "route_agree": agree,
+           "rollout_s": rollout_s, "rollout_tokens_per_s": all_tokens / rollout_s,
+           "sync_s": rep.seconds, "sync_gb_s": rep.bytes / rep.seconds / 1e9, "sync_max_err": rep.max_err,
+           "weights_synced": rep.bound_ok, "weight_version": rep.version, "samples": n,
+           "tokens": all_tokens, "step_time_s": step_s, "tokens_per_s": all_tokens / step_s,
+           "peak_mem_gb": peak_memory_gb(tc.device)}
+    if any("kl" in s for s in stats):
+        row["kl"] = tok_mean("kl")
+    if any("tis_mean" in s for s in stats):
+        row["tis_mean"] = tok_mean("tis_mean")
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) and k == "route_agree" else v)
+            for k, v in row.items()}
+
+
+def _reference_policy(trainer: RLTrainer, rl: RLConfig, out: Outputs, start: int):
+    """The frozen policy the KL term pulls toward: the weights this RL run started from, kept in the run's
+    checkpoint directory so that a resumed run uses the same reference."""
+    from dsv4.model import Transformer
+    path = Path(out.checkpoints) / "reference_policy.pt"
+    model = Transformer(trainer.tc.model, init=False).to(trainer.tc.device).eval()
+    if start == 0 or not path.is_file():
+        state = {n: p.detach().cpu().clone() for n, p, c in trainer.stage.checkpoint_params() if not c}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state, strict=False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def _ref_logp(model, batch: dict, rl: RLConfig, allowed) -> torch.Tensor:
+    from dsv4.rl.replay import replayed_routes
+    dev = next(model.parameters()).device
+    tokens = batch["tokens"].to(dev)
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    if "routes" in batch:
+        with replayed_routes(model, batch["routes"].to(dev), batch["replay_mask"].to(dev)):
+            logits = model(ids).logits
+    else:
+        logits = model(ids).logits
+    logits = logits / rl.temperature
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(dev), float("-inf"))
+    return torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1))[..., 0].cpu()

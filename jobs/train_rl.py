@@ -1,0 +1,114 @@
+"""Step `train` when PRESET_MODE=rl: GRPO on megatron-core with the embedded rollout engine (dsv4/rl/loop.py).
+
+    python -m jobs.train_rl --run-dir DIR
+
+Reads the run's resolved config (DIR/config.json): the model and layout as the SFT step does, and the
+PRESET_RL_* keys. The trainer starts from the converted checkpoint (the `convert` step), or resumes from the
+run's latest checkpoint; the rollout engine, in this process, gets the trainer's weights before the first
+rollout and after every step. Writes:
+  DIR/metrics.jsonl                    one row per step: reward, mismatch, route agreement, sync, loss, ...
+  DIR/checkpoints/iter_NNNNNNN/        megatron distributed checkpoints
+  DIR/steps/train/nonfinite.json       step, rank and first module of a non-finite loss/gradient
+Exit codes: 0 done, 1 failed (also: no learning signal for PRESET_RL_DEAD_STEPS steps), 2 bad configuration,
+16 non-finite loss or gradient.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from jobs.common import RunContext, done, fingerprint, log, mark_done
+from jobs.train_sft import layout_from, model_config, world_size
+
+
+def rl_config(cfg: dict, task, scratch: Path):
+    from dsv4.rl.loop import RLConfig
+    return RLConfig(
+        prompts_per_step=cfg["PRESET_RL_PROMPTS_PER_STEP"], group_size=cfg["PRESET_RL_GROUP_SIZE"],
+        max_new_tokens=cfg["PRESET_RL_MAX_NEW_TOKENS"] or task.max_new_tokens,
+        temperature=cfg["PRESET_RL_TEMPERATURE"], clip_low=cfg["PRESET_RL_CLIP_LOW"],
+        clip_high=cfg["PRESET_RL_CLIP_HIGH"], kl_coef=cfg["PRESET_RL_KL_COEF"], tis_cap=cfg["PRESET_RL_TIS_CAP"],
+        std_normalize=bool(cfg["PRESET_RL_STD_NORMALIZE"]), sync_path=cfg["PRESET_RL_SYNC"],
+        sync_format=cfg["PRESET_RL_SYNC_FORMAT"], bucket_mb=cfg["PRESET_RL_SYNC_BUCKET_MB"],
+        replay=bool(cfg["PRESET_RL_REPLAY"]), dead_steps=cfg["PRESET_RL_DEAD_STEPS"], seed=cfg["PRESET_SEED"],
+        allowed_token_ids=task.allowed_token_ids, stop_token_ids=task.stop_token_ids, scratch=scratch)
+
+
+def train_config(cfg: dict, rl, prompt_len: int):
+    """The SFT step's TrainConfig with the RL batch: every sample of a step in one optimizer step, sequences
+    padded to the longest prompt plus the response limit."""
+    from dsv4.megatron.model import Objective
+    from dsv4.megatron.train import TrainConfig
+    m = model_config(cfg)
+    n = rl.prompts_per_step * rl.group_size
+    seq_len = prompt_len + rl.max_new_tokens - 1
+    if seq_len > cfg["PRESET_SEQ_LEN"]:
+        raise ValueError(f"the task's prompts ({prompt_len} tokens) plus {rl.max_new_tokens} new tokens need "
+                         f"PRESET_SEQ_LEN >= {seq_len}, the run has {cfg['PRESET_SEQ_LEN']}")
+    mbs = min(cfg["PRESET_MICRO_BATCH_SIZE"], n)
+    return TrainConfig(
+        model=m, layout=layout_from(cfg), objective=Objective(),
+        seq_len=seq_len, micro_batch_size=mbs, global_batch_size=n,
+        num_steps=cfg["PRESET_NUM_STEPS"], lr=cfg["PRESET_LR"], min_lr=cfg["PRESET_MIN_LR"],
+        lr_decay_style=cfg["PRESET_LR_DECAY_STYLE"], lr_warmup_iters=cfg["PRESET_LR_WARMUP_ITERS"],
+        weight_decay=cfg["PRESET_WEIGHT_DECAY"], seed=cfg["PRESET_SEED"],
+        save_interval=max(1, cfg["PRESET_SAVE_INTERVAL"]), save_retain_interval=cfg.get("PRESET_SAVE_RETAIN_INTERVAL", 0),
+        recompute="full" if cfg.get("HW_RECOMPUTE_GRANULARITY") == "full" else "none", device=cfg["HW_DEVICE"])
+
+
+def make_task(cfg: dict, bf16_dir: Path):
+    """The task PRESET_RL_TASK names; the math task tokenizes with the run's checkpoint tokenizer."""
+    from dsv4.rl import tasks
+    name = cfg["PRESET_RL_TASK"]
+    if name == "math" and (bf16_dir / "tokenizer.json").is_file():
+        return tasks.make_task(name, tokenizer=str(bf16_dir))
+    return tasks.make_task(name)
+
+
+def main(argv=None) -> int:
+    ctx = RunContext.from_argv(argv, __doc__)
+    cfg = ctx.cfg
+    from dsv4.rl import tasks
+    try:
+        task = make_task(cfg, ctx.paths.bf16_dir)
+        reward_fn = tasks.load_reward(cfg["PRESET_RL_REWARD"]) if cfg.get("PRESET_RL_REWARD") else task.reward
+        rl = rl_config(cfg, task, ctx.step_dir("train"))
+        prompt_len = max(len(s.prompt_ids) for s in task.prompts(1, rl.prompts_per_step, rl.seed))
+        tc = train_config(cfg, rl, prompt_len)
+        world = world_size(cfg)
+        if world != 1:
+            raise ValueError(f"RL runs at world 1 for now (V4_NUM_NODES x V4_NUM_GPUS_PER_NODE = {world}); set "
+                             "V4_NUM_GPUS_PER_NODE=1 and PRESET_EP=1 for the RL stage")
+        tc.layout.validate(tc.model, world, tc.seq_len)
+    except (ValueError, KeyError, tasks.RewardSpecError) as e:
+        log(f"error: {e}")
+        return 2
+    step_dir = ctx.step_dir("train")
+    inputs = {"config": fingerprint(ctx.run_dir / "config.json")}
+    if done(step_dir, inputs):
+        log(f"training already finished ({step_dir}); skipped")
+        return 0
+    from dsv4.megatron.parallel import init_parallel
+    from dsv4.megatron.train import Outputs, init_distributed, quiet_libraries
+    from dsv4.model import Transformer
+    from dsv4.rl.engine import EmbeddedEngine
+    from dsv4.rl.loop import run_grpo
+    quiet_libraries()
+    init_distributed(0, 1, cfg["HW_DIST_BACKEND"], tc.device, "127.0.0.1", int(cfg.get("V4_DIST_PORT") or 29500))
+    init_parallel(tc.layout, tc.seed)
+    torch_dist = ctx.paths.torch_dist_dir
+    out = Outputs(checkpoints=ctx.paths.checkpoints, init_checkpoint=torch_dist if done(torch_dist) else None,
+                  nonfinite=step_dir / "nonfinite.json")
+    engine = EmbeddedEngine(Transformer(tc.model, init=False).to(tc.device), max_seq_len=tc.seq_len + 1,
+                            model_path="trainer", seed=tc.seed)
+    log(f"train (RL): {tc.model.n_layers}-layer {cfg['PRESET_MODEL']} model on {tc.device}, task "
+        f"{cfg['PRESET_RL_TASK']}, {tc.num_steps} steps of {rl.prompts_per_step} prompts x {rl.group_size} samples, "
+        f"sync {rl.sync_path}/{rl.sync_format}, replay {'on' if rl.replay else 'off'}")
+    code = run_grpo(tc, rl, task, reward_fn, engine, out, on_metrics=ctx.write_metrics, log=log)
+    if code == 0:
+        mark_done(step_dir, inputs, steps=tc.num_steps)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
