@@ -257,10 +257,11 @@ def derive_and_check(cfg: Config) -> None:
         # an RL step trains on every sample it rolled out: the global batch is prompts x group
         samples = v["PRESET_RL_PROMPTS_PER_STEP"] * v["PRESET_RL_GROUP_SIZE"]
         d["RL_SAMPLES_PER_STEP"] = Derived(samples, "PRESET_RL_PROMPTS_PER_STEP * PRESET_RL_GROUP_SIZE")
-        if dp and samples % (min(v["PRESET_MICRO_BATCH_SIZE"], samples) * dp):
+        per_rank = samples // dp if dp else samples
+        if dp and (samples % dp or per_rank % min(v["PRESET_MICRO_BATCH_SIZE"], per_rank)):
             errors.append(f"{samples} samples per RL step ({at(cfg, 'PRESET_RL_PROMPTS_PER_STEP')} x "
-                          f"{at(cfg, 'PRESET_RL_GROUP_SIZE')}) are not a multiple of MICRO_BATCH_SIZE*DP = "
-                          f"{v['PRESET_MICRO_BATCH_SIZE']}*{dp}")
+                          f"{at(cfg, 'PRESET_RL_GROUP_SIZE')}) do not split into DP={dp} equal shares of whole "
+                          f"micro-batches of {at(cfg, 'PRESET_MICRO_BATCH_SIZE')}")
     elif dp and v["PRESET_GLOBAL_BATCH_SIZE"] % (v["PRESET_MICRO_BATCH_SIZE"] * dp):
         errors.append(f"{at(cfg, 'PRESET_GLOBAL_BATCH_SIZE')} is not a multiple of "
                       f"MICRO_BATCH_SIZE*DP = {v['PRESET_MICRO_BATCH_SIZE']}*{dp}")
