@@ -98,18 +98,19 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bo
     return torch.cat([x[..., :-r], rot.to(x.dtype)], dim=-1)
 
 
-@lru_cache(maxsize=8)
-def _hadamard_matrix(n: int) -> torch.Tensor:
+@lru_cache(maxsize=16)
+def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """Cached per device: a copy to the GPU at every call would be a host-to-device transfer that a CUDA graph
+    capture (the rollout engine's decode step) refuses."""
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h * n ** -0.5
+    return (h * n ** -0.5).to(device)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard rotation of the last dim (a power of two)."""
-    h = _hadamard_matrix(x.shape[-1]).to(x.device)
-    return (x.float() @ h).to(x.dtype)
+    return (x.float() @ _hadamard_matrix(x.shape[-1], x.device)).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- hyper-connections

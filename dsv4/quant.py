@@ -134,9 +134,14 @@ def fp4_encode(y: torch.Tensor) -> torch.Tensor:
     return (mag.to(torch.uint8) | (torch.signbit(y).to(torch.uint8) << 3))
 
 
+@lru_cache(maxsize=8)
+def _fp4_table(device: torch.device) -> torch.Tensor:
+    # cached per device: building it at each call is a host-to-device copy, which a CUDA graph capture refuses
+    return torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+
+
 def fp4_decode(code: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=code.device)
-    return table[code.long()]
+    return _fp4_table(code.device)[code.long()]
 
 
 def fp4_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

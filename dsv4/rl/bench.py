@@ -2,7 +2,11 @@
 seconds and GB/s of each weight-update path, measured in one run.
 
 Decode: for each batch size, a batch of prompts is fed to a fresh cache, then `--steps` decode steps are timed
-(the median step after warm-up; CUDA synchronised around each step). tokens/s = batch / step time.
+(the median step after warm-up; CUDA synchronised around each step). tokens/s = batch / step time. The step
+is the engine's: replayed from a CUDA graph (`decode.GraphedStep`, row mode "graph"; on a CPU there is no graph
+and the row says "eager"); with `eager=True` the same positions are then timed again running `decode.step`
+without a graph (mode "eager"), so the two sit side by side from one run. The step's MoE runs every routed
+expert on every row (`decode.moe`), so at small batches it reads more expert weights than the roofline counts.
 Roofline of a step = the bytes the step must read at least once / the device's copy bandwidth measured in the
 same run (a large device-to-device copy, read + write counted):
   weights: every parameter except the embedding and the routed experts, plus the embedding rows of the batch's
@@ -34,6 +38,7 @@ from dsv4.rl.engine import EmbeddedEngine
 
 @dataclass
 class DecodeRow:
+    mode: str                # "graph": replayed CUDA graph; "eager": the step launched op by op
     batch: int
     step_ms: float
     tokens_per_s: float
@@ -93,13 +98,28 @@ def step_bytes(model, cache: decode.DecodeCache, routes: torch.Tensor, batch: in
         row = lc.kv.shape[-1] * lc.kv.element_size()
         slots = lc.window + (min(cfg.index_topk, lc.n_entries) if lc.ratio == 4 else lc.n_entries)
         kv += batch * slots * row
-        if lc.ratio == 4:
-            kv += _nbytes(lc.index_keys)
+        if lc.ratio == 4:   # every key of the indexer (its buffer's last row is the trash row nothing reads)
+            kv += batch * lc.n_entries * lc.index_keys.shape[-1] * lc.index_keys.element_size()
     return weights, kv
 
 
+def _time_steps(run, positions, timed_from: int, dev) -> tuple[list[float], list[torch.Tensor]]:
+    """Seconds of `run(p)` for each position from `timed_from` on (the earlier ones warm up), with the routes
+    of each timed step (copied: a graph's outputs are overwritten by the next replay)."""
+    times, routes = [], []
+    for p in positions:
+        _sync_dev(dev)
+        t = time.perf_counter()
+        _, r = run(p)
+        _sync_dev(dev)
+        if p >= timed_from:
+            times.append(time.perf_counter() - t)
+            routes.append(r.clone())
+    return times, routes
+
+
 def bench_decode(engine: EmbeddedEngine, batches: list[int], prompt_len: int, steps: int, warmup: int,
-                 bandwidth: float, say=print) -> list[DecodeRow]:
+                 bandwidth: float, say=print, eager: bool = False) -> list[DecodeRow]:
     model, dev = engine.model, engine.device
     V = model.cfg.vocab_size
     rows = []
@@ -108,25 +128,24 @@ def bench_decode(engine: EmbeddedEngine, batches: list[int], prompt_len: int, st
         total = prompt_len + warmup + steps
         ids = torch.randint(0, V, (B, total), generator=g).to(dev)
         cache = decode.DecodeCache(model, B, total)
-        for p in range(prompt_len):
-            decode.step(model, cache, ids[:, p], p)
-        times, byte_counts = [], []
-        for p in range(prompt_len, total):
-            _sync_dev(dev)
-            t = time.perf_counter()
-            logits, routes = decode.step(model, cache, ids[:, p], p)
-            _sync_dev(dev)
-            if p >= prompt_len + warmup:
-                times.append(time.perf_counter() - t)
-                byte_counts.append(step_bytes(model, cache, routes, B))
-        ms = statistics.median(times) * 1e3
-        w = int(statistics.median(b[0] for b in byte_counts))
-        kv = int(statistics.median(b[1] for b in byte_counts))
-        roof = (w + kv) / bandwidth * 1e3
-        rows.append(DecodeRow(B, ms, B / ms * 1e3, w, kv, roof, roof / ms))
-        say(f"[bench] batch {B:>3}: {ms:8.2f} ms/step  {B / ms * 1e3:10.1f} tokens/s  roofline {roof:.3f} ms "
-            f"({roof / ms:.1%})")
-        del cache
+        dec = decode.GraphedStep(model, cache)
+        for p in range(prompt_len):        # the prompt through the graph (captured at position 0)
+            dec(ids[:, p], p)
+        runs = [("graph" if dec.graphed else "eager", lambda p: dec(ids[:, p], p))]
+        if eager and dec.graphed:
+            # the same positions again, op by op: a step repeated at its position redoes the same work
+            runs.append(("eager", lambda p: decode.step(model, cache, ids[:, p], p)))
+        for mode, run in runs:
+            times, routes = _time_steps(run, range(prompt_len, total), prompt_len + warmup, dev)
+            byte_counts = [step_bytes(model, cache, r, B) for r in routes]
+            ms = statistics.median(times) * 1e3
+            w = int(statistics.median(b[0] for b in byte_counts))
+            kv = int(statistics.median(b[1] for b in byte_counts))
+            roof = (w + kv) / bandwidth * 1e3
+            rows.append(DecodeRow(mode, B, ms, B / ms * 1e3, w, kv, roof, roof / ms))
+            say(f"[bench] batch {B:>3} {mode:<5}: {ms:8.2f} ms/step  {B / ms * 1e3:10.1f} tokens/s  "
+                f"roofline {roof:.3f} ms ({roof / ms:.1%})")
+        del dec, cache
     return rows
 
 
@@ -198,10 +217,24 @@ def bench_sync(engine: EmbeddedEngine, paths: list[str], say=print) -> list[Sync
 
 
 def table(decode_rows: list[DecodeRow], bandwidth: float) -> str:
-    lines = [f"decode (roofline at the measured copy bandwidth {bandwidth / 1e9:.0f} GB/s)",
-             f"{'batch':>5} {'ms/step':>9} {'tokens/s':>10} {'weights MB':>11} {'KV MB':>8} {'roofline ms':>12} "
-             f"{'of roofline':>11}"]
-    for r in decode_rows:
-        lines.append(f"{r.batch:>5} {r.step_ms:>9.2f} {r.tokens_per_s:>10.1f} {r.weight_bytes / 1e6:>11.1f} "
-                     f"{r.kv_bytes / 1e6:>8.2f} {r.roofline_ms:>12.3f} {r.achieved:>11.1%}")
+    """One line a batch size: each mode's ms/step, tokens/s and fraction of the roofline, side by side, and where
+    both ran, the graph's speedup over eager."""
+    modes = list(dict.fromkeys(r.mode for r in decode_rows))
+    by = {(r.batch, r.mode): r for r in decode_rows}
+    head = f"{'batch':>5} {'weights MB':>11} {'KV MB':>8} {'roofline ms':>12}"
+    for m in modes:
+        head += f" | {m + ' ms':>9} {'tokens/s':>10} {'of roof':>8}"
+    if len(modes) > 1:
+        head += f" | {'speedup':>7}"
+    lines = [f"decode (roofline at the measured copy bandwidth {bandwidth / 1e9:.0f} GB/s)", head]
+    for B in dict.fromkeys(r.batch for r in decode_rows):
+        first = by[(B, modes[0])]
+        line = f"{B:>5} {first.weight_bytes / 1e6:>11.1f} {first.kv_bytes / 1e6:>8.2f} {first.roofline_ms:>12.3f}"
+        for m in modes:
+            r = by.get((B, m))
+            line += f" | {r.step_ms:>9.2f} {r.tokens_per_s:>10.1f} {r.achieved:>8.1%}" if r else f" | {'-':>9} {'-':>10} {'-':>8}"
+        if len(modes) > 1:
+            a, b = by.get((B, modes[0])), by.get((B, modes[1]))
+            line += f" | {b.step_ms / a.step_ms:>6.1f}x" if a and b else f" | {'-':>7}"
+        lines.append(line)
     return "\n".join(lines)

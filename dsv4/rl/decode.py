@@ -13,21 +13,41 @@ same step as the response (no separate prefill), and a sample starts sampling on
 That keeps block completion and the ring slot uniform across the batch (no per-sample branches, nothing
 that stalls a GPU), at the cost of prefill speed on long prompts. Per position the arithmetic is the full
 forward's, through the same functions (`compress`, `Compressor.finish`, `rope_tail`, `sparse_attn`, the
-MoE and hyper-connection modules), so cached decoding equals a full recompute up to summation order
+expert and hyper-connection modules), so cached decoding equals a full recompute up to summation order
 (tests/rl/test_decode.py).
 
-The KV layout of one layer is one buffer [B, W + N, D]: ring rows 0..W-1, compressed entries from row W,
-so the sparse-attention kernel reads window and compressed rows through one index list, as in training.
+A step never synchronises with the host and its shapes do not depend on the position, so one CUDA graph of
+it replays for every position (`GraphedStep`):
+* the position is a 0-dim int64 tensor on the device; ring slots, block indices and masks are computed from
+  it on the device, and cache rows are written with `index_copy_` at device indices;
+* the compressors pool a block every step; when no block ends at this position the entry goes to a spare
+  "trash" row past the real ones, which no index ever names (a masked write instead of a Python `if`);
+* the MoE runs every routed expert on every row, weighted by the row's routing weight for that expert (zero
+  where not chosen): no `unique`/`nonzero` on the host. At decode batch sizes the step is bound by reading
+  weights, and a batch of 64 tokens routed top-k activates nearly every expert anyway (`moe`).
+
+The KV layout of one layer is one buffer [B, W + N + 1, D]: ring rows 0..W-1, compressed entries W..W+N-1,
+the trash row last, so the sparse-attention kernel reads window and compressed rows through one index list,
+as in training.
+
+Every row a step reads was written earlier in the same sequence (slot s of the ring once position s has
+passed, entry i once its block has ended, pool rows of the blocks being pooled), so a cache needs no reset
+between sequences, and running a step twice at the same position with the same tokens leaves the cache as
+once: `GraphedStep` relies on both (its warm-up steps are real steps; the engine reuses a graphed cache).
 """
 from __future__ import annotations
 
+import logging
+import threading
+import warnings
+
 import torch
 
+from dsv4 import quant
 from dsv4.kernels import reference as kref
 from dsv4.kernels import sparse_attn
-from dsv4.model import (Attention, Compressor, Transformer, _kv_fp8_qat, compress, grouped_output, hadamard,
+from dsv4.model import (MoE, Attention, Compressor, Transformer, _kv_fp8_qat, compress, grouped_output, hadamard,
                         hc_post, rms_norm, rope_cos_sin, rope_tail)
-from dsv4 import quant
 
 
 class PoolState:
@@ -40,25 +60,35 @@ class PoolState:
         width = comp.wkv.weight.shape[0]
         self.a = torch.zeros(batch, self.rows, width, device=device)
         self.g = torch.zeros(batch, self.rows, width, device=device)
+        self.offsets = torch.arange(self.ratio, device=device)
+        # ratio 4: the slots of the previous block, which block 0 does not have
+        self.prev_slots = (torch.arange(2 * self.ratio, device=device) < self.ratio).view(1, -1, 1)
 
-    def push(self, comp: Compressor, x: torch.Tensor, pos: int) -> None:
+    def push(self, comp: Compressor, x: torch.Tensor, pos: torch.Tensor) -> None:
         xf = x.float()
-        self.a[:, pos % self.rows] = comp.wkv(xf)[:, 0]
-        self.g[:, pos % self.rows] = comp.wgate(xf)[:, 0]
+        slot = (pos % self.rows).view(1)
+        self.a.index_copy_(1, slot, comp.wkv(xf))
+        self.g.index_copy_(1, slot, comp.wgate(xf))
 
-    def pool(self, comp: Compressor, pos: int, freqs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The entry of the block that ends at `pos` ((pos + 1) % ratio == 0) -> [B, 1, d]."""
-        r, k = self.ratio, (pos + 1) // self.ratio - 1
-        cur = torch.arange(r, device=self.a.device) + (k * r) % self.rows
-        if r == 4:  # the overlapping window also reads the previous block; block 0 has none
-            prev = torch.arange(r, device=self.a.device) + ((k - 1) * r) % self.rows
-            a, g = self.a[:, torch.cat([prev, cur])], self.g[:, torch.cat([prev, cur])]
-            if k == 0:  # what compress() fills in for the block before the first (0 for kv, -inf for the gate)
-                a[:, :r], g[:, :r] = 0.0, float("-inf")
+    def pool(self, comp: Compressor, pos: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
+        """-> (entry [B, 1, d], k): the entry of block k = (pos + 1) // ratio - 1, the block that ends at `pos`
+        when (pos + 1) % ratio == 0. At other positions the block is not complete (or k is -1) and the entry
+        is garbage for the caller to discard: pooling every step keeps the step free of host branches."""
+        r = self.ratio
+        k = (pos + 1) // r - 1
+        cur = self.offsets + (k * r) % self.rows
+        if r == 4:  # the overlapping window also reads the previous block
+            sel = torch.cat([self.offsets + ((k - 1) * r) % self.rows, cur])
+            a, g = self.a.index_select(1, sel), self.g.index_select(1, sel)
+            # block 0 has no previous block: what compress() fills in for it (0 for kv, -inf for the gate); in
+            # place, a and g being index_select's own copies
+            first = self.prev_slots & (k == 0)
+            a.masked_fill_(first, 0.0)
+            g.masked_fill_(first, float("-inf"))
         else:
-            a, g = self.a[:, cur], self.g[:, cur]
+            a, g = self.a.index_select(1, cur), self.g.index_select(1, cur)
         c = compress(a, g, comp.ape, r, comp.head_dim)[:, -1:]
-        return comp.finish(c, torch.tensor([k * r], device=a.device), freqs, dtype)
+        return comp.finish(c, (k * r).view(1), freqs, dtype), k
 
     def select(self, keep: torch.Tensor) -> None:
         self.a, self.g = self.a[keep], self.g[keep]
@@ -72,15 +102,20 @@ class LayerCache:
         self.ratio = attn.ratio
         self.window = min(cfg.window_size, max_len)
         self.n_entries = max_len // self.ratio if self.ratio else 0
-        self.kv = torch.zeros(batch, self.window + self.n_entries, cfg.head_dim, device=device, dtype=dtype)
-        self.win_pos = torch.full((self.window,), -1, dtype=torch.long, device=device)
-        self.pool = PoolState(attn.compressor, batch, device) if self.ratio else None
+        trash = 1 if self.ratio else 0
+        self.kv = torch.zeros(batch, self.window + self.n_entries + trash, cfg.head_dim, device=device, dtype=dtype)
+        self.slots = torch.arange(self.window, device=device)
+        self.pool = None
+        if self.ratio:
+            self.pool = PoolState(attn.compressor, batch, device)
+            self.entries = torch.arange(self.n_entries, device=device)
         if self.ratio == 4:
             self.index_pool = PoolState(attn.indexer.compressor, batch, device)
-            self.index_keys = torch.zeros(batch, self.n_entries, cfg.index_head_dim, device=device, dtype=dtype)
+            self.index_keys = torch.zeros(batch, self.n_entries + 1, cfg.index_head_dim, device=device, dtype=dtype)
 
     def select(self, keep: torch.Tensor) -> None:
-        """Keep only the samples `keep` (indices into the batch), e.g. when others have finished."""
+        """Keep only the samples `keep` (indices into the batch), e.g. when others have finished. Not on a cache
+        a `GraphedStep` has captured: the graph holds the old buffers."""
         self.kv = self.kv[keep]
         if self.pool is not None:
             self.pool.select(keep)
@@ -93,12 +128,13 @@ class DecodeCache:
     def __init__(self, model: Transformer, batch: int, max_len: int):
         p = next(model.parameters())
         act = model.embed.weight.dtype
-        self.max_len = max_len
+        self.batch, self.max_len, self.device = batch, max_len, p.device
         self.layers = [LayerCache(layer.attn, batch, max_len, p.device, act) for layer in model.layers]
 
     def select(self, keep: torch.Tensor) -> None:
         for lc in self.layers:
             lc.select(keep)
+        self.batch = len(keep)
 
     def nbytes(self) -> int:
         def size(t):
@@ -113,65 +149,173 @@ class DecodeCache:
         return total
 
 
-def attend(attn: Attention, x: torch.Tensor, lc: LayerCache, pos: int) -> torch.Tensor:
+def attend(attn: Attention, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor) -> torch.Tensor:
     """Attention.forward for one new position per sample, reading and extending the layer's cache.
-    x [B, 1, dim] -> [B, 1, dim]."""
+    x [B, 1, dim], pos 0-dim int64 on x's device -> [B, 1, dim]."""
     cfg = attn.cfg
-    W = lc.window
-    cos, sin = rope_cos_sin(attn.freqs, torch.tensor([pos], device=x.device))
+    W, N = lc.window, lc.n_entries
+    B = x.shape[0]
+    cos, sin = rope_cos_sin(attn.freqs, pos.view(1))
     qr = attn.q_norm(attn.wq_a(x))
     q = attn.wq_b(qr).unflatten(-1, (attn.n_heads, attn.head_dim))
     q = rope_tail(rms_norm(q, None, cfg.norm_eps), cos, sin)
     kv = rope_tail(attn.kv_norm(attn.wkv(x)), cos, sin)
     if cfg.qat_kv_fp8:
         kv = _kv_fp8_qat(kv, cfg.rope_head_dim)
-    lc.kv[:, pos % W] = kv[:, 0]
-    lc.win_pos[pos % W] = pos                   # the ring now holds positions pos-W+1 .. pos: the window
-    B = x.shape[0]
-    idx = torch.where(lc.win_pos >= 0, torch.arange(W, device=x.device), -1).expand(B, 1, W)
+    lc.kv.index_copy_(1, (pos % W).view(1), kv)
+    # the ring fills slot s at position s, so slot s holds a position of the window iff s <= pos (all, once
+    # pos >= W - 1): the ring now holds positions pos-W+1 .. pos
+    idx = torch.where(lc.slots <= pos, lc.slots, -1).expand(B, 1, W)
     if lc.ratio:
         r = lc.ratio
         complete = (pos + 1) % r == 0
-        lc.pool.push(attn.compressor, x, pos)
-        if complete:
-            lc.kv[:, W + (pos + 1) // r - 1] = lc.pool.pool(attn.compressor, pos, attn.freqs, x.dtype)[:, 0]
         n = (pos + 1) // r                      # complete entries visible to this position
+        trash = lc.kv.shape[1] - 1
+        lc.pool.push(attn.compressor, x, pos)
+        entry, k = lc.pool.pool(attn.compressor, pos, attn.freqs, x.dtype)
+        lc.kv.index_copy_(1, torch.where(complete, W + k, trash).view(1), entry)
         if r == 4:
             ix = attn.indexer
             lc.index_pool.push(ix.compressor, x, pos)
-            if complete:
-                lc.index_keys[:, n - 1] = lc.index_pool.pool(ix.compressor, pos, attn.freqs, x.dtype)[:, 0]
+            key, _ = lc.index_pool.pool(ix.compressor, pos, attn.freqs, x.dtype)
+            lc.index_keys.index_copy_(1, torch.where(complete, k, N).view(1), key)
             qi = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))
             qi = hadamard(rope_tail(qi, cos, sin))
             if cfg.qat_indexer_fp4:
                 qi = quant.fp4_act_qdq(qi, 32)
             w = ix.weights_proj(x).float() * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
-            scores = kref.indexer_scores(qi, lc.index_keys, w)                 # [B, 1, N]
-            visible = torch.arange(lc.n_entries, device=x.device) < n
-            sel = kref.indexer_topk(scores.masked_fill(~visible, float("-inf")), cfg.index_topk)
+            scores = kref.indexer_scores(qi, lc.index_keys[:, :N], w)         # [B, 1, N]
+            sel = kref.indexer_topk(scores.masked_fill(lc.entries >= n, float("-inf")), cfg.index_topk)
             idx_c = torch.where(sel >= 0, sel + W, -1)
         else:
-            i = torch.arange(lc.n_entries, device=x.device)
-            idx_c = torch.where(i < n, i + W, -1).expand(B, 1, -1)
+            idx_c = torch.where(lc.entries < n, lc.entries + W, -1).expand(B, 1, -1)
         idx = torch.cat([idx, idx_c], dim=-1)
     o = sparse_attn(q, lc.kv, attn.attn_sink, idx.int().contiguous(), attn.softmax_scale, impl=cfg.attn_impl)
     o = rope_tail(o, cos, sin, inverse=True)
     return attn.wo_b(grouped_output(o, attn.wo_a.weight, cfg.o_groups))
 
 
+def moe(ffn: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE.forward without host synchronisation -> (output like x, experts [T, k] the router chose).
+
+    Every routed expert runs on every row, its activation scaled by the row's routing weight for it: the
+    router's weight where the row chose the expert, 0 where not, so the expert adds an exact 0 to that row.
+    Experts are added in ascending order, as MoE.forward's `unique` visits them, so each row's fp32 sum is
+    MoE.forward's (up to the GEMMs' round-off on another number of rows). A row routed twice to one expert
+    (a hash table or a replay can say so) gets the two weights summed, which the expert's w2 makes equal to
+    MoE.forward's two passes up to round-off.
+
+    It reads every expert's weights whatever the routing: at decode batch sizes the step is bound by those
+    reads, and a batch of tens of tokens routed top-k touches nearly every expert anyway. Its compute grows
+    with the expert count (n_routed_experts / top-k times the routed FLOPs): right for the smoke's 8 experts,
+    not for Flash's 256, which needs a grouped GEMM over the chosen experts instead."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    weights, idx = ffn.gate(x, input_ids.reshape(-1))
+    dense = torch.zeros(x.shape[0], len(ffn.experts), dtype=weights.dtype, device=x.device)
+    dense.scatter_add_(1, idx, weights)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e, expert in enumerate(ffn.experts):
+        y = y + expert(x, dense[:, e:e + 1]).float()
+    y = y + ffn.shared_experts(x).float()
+    return y.to(x.dtype).view(shape), idx
+
+
+def as_position(pos: int | torch.Tensor, device) -> torch.Tensor:
+    """A position as the 0-dim int64 device tensor `step` takes. From a Python int by a fill kernel (no
+    host-to-device copy, which would synchronise)."""
+    if isinstance(pos, torch.Tensor):
+        return pos.reshape(()).to(device=device, dtype=torch.long)
+    return torch.full((), pos, dtype=torch.long, device=device)
+
+
 @torch.no_grad()
-def step(model: Transformer, cache: DecodeCache, ids: torch.Tensor, pos: int):
-    """Feed token `ids` [B] at position `pos` -> (logits [B, V] fp32 for position pos + 1,
-    routes [B, n_layers, k] int: the experts each layer chose for these tokens)."""
+def step(model: Transformer, cache: DecodeCache, ids: torch.Tensor, pos: int | torch.Tensor):
+    """Feed token `ids` [B] at position `pos` (a 0-dim int64 device tensor, or an int) -> (logits [B, V] fp32
+    for position pos + 1, routes [B, n_layers, k] int64: the experts each layer chose for these tokens).
+    No host synchronisation, and the same kernels on the same shapes at every position."""
     cfg = model.cfg
-    tok = ids.view(-1, 1)
+    pos = as_position(pos, ids.device)
+    tok = ids.reshape(-1, 1)
     X = model.embed(tok).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
     routes = []
     for layer, lc in zip(model.layers, cache.layers):
         x, post, comb = layer._hc_pre(X, "attn")
         X = hc_post(attend(layer.attn, layer.attn_norm(x), lc, pos), X, post, comb)
         x, post, comb = layer._hc_pre(X, "ffn")
-        X = hc_post(layer.ffn(layer.ffn_norm(x), tok), X, post, comb)
-        routes.append(layer.ffn.last_expert_idx)
+        y, chosen = moe(layer.ffn, layer.ffn_norm(x), tok)
+        X = hc_post(y, X, post, comb)
+        routes.append(chosen)
     logits = model.head_logits(X, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, model.norm)
     return logits[:, 0], torch.stack(routes, dim=1)
+
+
+# =============================================================================================== CUDA graphs
+class GraphedStep:
+    """`step` on one cache, captured in a CUDA graph at its first call and replayed at every later one.
+
+    Call it as `decoder(ids, pos)` -> (logits, routes), like `step`. With a graph the inputs are copied into
+    static buffers and the outputs are the graph's own tensors, overwritten by the next call: consume or copy
+    them first (work queued on the same stream is ordered before the next replay, so that needs no sync).
+
+    The capture happens at the first call, at that call's position and tokens: two eager warm-up steps
+    (which compile and load kernels, TileLang's included, and settle cuBLAS's workspaces outside the capture),
+    then the capture, then the replay that produces the outputs. All three write the same cache rows with the
+    same values (see the module docstring), so the sequence is as if the step ran once.
+
+    Falls back to the eager step on a CPU, with `graph=False`, and, with a warning, when a capture fails (e.g.
+    a QAT point that builds a table on the host at each call); after one failure no later instance tries.
+    The graph holds the addresses of the model's parameters and of the cache: updating weights in place
+    (`copy_`) is seen by the next replay, replacing a parameter's storage (`p.data = ...`) or `cache.select`
+    is not."""
+
+    _capture_lock = threading.Lock()         # one capture at a time in the process
+    capture_failed: str | None = None        # why the last capture failed (then graphs stay off)
+
+    def __init__(self, model: Transformer, cache: DecodeCache, graph: bool = True):
+        self.model, self.cache = model, cache
+        dev = cache.device
+        self.ids = torch.zeros(cache.batch, dtype=torch.long, device=dev)
+        self.pos = torch.zeros((), dtype=torch.long, device=dev)
+        self.use_graph = graph and dev.type == "cuda" and GraphedStep.capture_failed is None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def graphed(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self, ids: torch.Tensor, pos: int | torch.Tensor):
+        self.ids.copy_(ids)
+        if isinstance(pos, torch.Tensor):
+            self.pos.copy_(pos.reshape(()))
+        else:
+            self.pos.fill_(pos)                # a kernel argument: no host-to-device copy
+        if self.use_graph and self.graph is None:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        return step(self.model, self.cache, self.ids, self.pos)
+
+    def _capture(self) -> None:
+        dev = self.cache.device
+        try:
+            with GraphedStep._capture_lock, torch.cuda.device(dev):
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        step(self.model, self.cache, self.ids, self.pos)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: other threads (a trainer) may keep using CUDA while this one captures
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    out = step(self.model, self.cache, self.ids, self.pos)
+            self.graph, self.out = graph, out
+        except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly instead
+            GraphedStep.capture_failed = f"{type(e).__name__}: {e}"
+            self.use_graph, self.graph, self.out = False, None, None
+            logging.getLogger(__name__).warning("CUDA graph capture failed", exc_info=True)   # the traceback
+            warnings.warn(f"CUDA graph capture of the decode step failed ({GraphedStep.capture_failed}); "
+                          "decoding eagerly from now on", RuntimeWarning, stacklevel=3)

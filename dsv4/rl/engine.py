@@ -2,8 +2,11 @@
 
 It serves RL rollouts where SGLang cannot run: on a CPU (CI, a laptop) and on one GPU, in the trainer's process
 or behind `v4 rl serve`. A `generate` call is one static batch: every sample is fed token by token through the
-cached decode step (`dsv4.rl.decode`), samples leave the batch as they finish, and the call returns when all
-have. Concurrent calls queue; there is no continuous batching.
+cached decode step (`dsv4.rl.decode`), and the call returns when all have finished. The batch keeps its shape
+to the end (a finished sample's row decodes tokens nobody reads), so on a GPU each step replays a CUDA graph
+captured once per (batch rows, cache capacity) and kept for later calls, and the host reads one small copy of
+the sampled tokens a step, a step late (`_generate_batch`). Concurrent calls queue; there is no continuous
+batching.
 
 What a result carries, and how it departs from SGLang 0.5.23:
 * `output_token_logprobs` are log-probabilities after temperature and over `allowed_token_ids` when given (our
@@ -22,6 +25,7 @@ What a result carries, and how it departs from SGLang 0.5.23:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import uuid
@@ -39,10 +43,12 @@ from dsv4.rl.api import (EngineUnavailable, GenerateRequest, GenerateResult, Req
 _MASK32 = 0xFFFFFFFF
 
 
-def hash_uniform(seeds: torch.Tensor, pos: int, vocab: int) -> torch.Tensor:
+def hash_uniform(seeds: torch.Tensor, pos: int | torch.Tensor, vocab: int) -> torch.Tensor:
     """[B] int64 seeds -> [B, vocab] fp32 uniforms in (0, 1), a pure function of (seed, pos, token id).
-    32-bit integer hashing in int64 arithmetic (no overflow), so CPU and GPU give the same bits."""
-    x = ((seeds & _MASK32) * 1000003 + pos) & _MASK32
+    32-bit integer hashing in int64 arithmetic (no overflow), so CPU and GPU give the same bits. `pos` is an
+    int (a kernel argument) or an int64 tensor on the seeds' device, 0-dim or [B] (a position per row); either
+    way nothing waits for the device."""
+    x = ((seeds & _MASK32) * 1000003 + pos) & _MASK32      # [B]: a 0-dim or [B] pos broadcasts
     x = (x.unsqueeze(-1) * 65537 + torch.arange(vocab, device=seeds.device)) & _MASK32
     for _ in range(3):
         x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
@@ -59,8 +65,10 @@ def scaled_logprobs(logits: torch.Tensor, temperature: torch.Tensor, allowed: to
     return torch.log_softmax(z, dim=-1)
 
 
-def sample(logp: torch.Tensor, sp: "BatchSampling", pos: int) -> torch.Tensor:
-    """One token per row from `logp` (already tempered and restricted), after top-k, top-p and min-p."""
+def sample(logp: torch.Tensor, sp: "BatchSampling", pos: int | torch.Tensor) -> torch.Tensor:
+    """One token per row from `logp` (already tempered and restricted), after top-k, top-p and min-p, for
+    position `pos` (int or int64 device tensor, see hash_uniform). Tensor ops only: no host synchronisation
+    (which filters apply is decided on the host when the batch is built, `sp.any_filter`)."""
     keep = torch.isfinite(logp)
     if sp.any_filter:
         sorted_lp, order = logp.sort(dim=-1, descending=True)
@@ -68,7 +76,7 @@ def sample(logp: torch.Tensor, sp: "BatchSampling", pos: int) -> torch.Tensor:
         probs = sorted_lp.exp()
         drop = (rank >= sp.top_k.unsqueeze(-1)) | (probs.cumsum(-1) - probs >= sp.top_p.unsqueeze(-1))
         drop |= probs < sp.min_p.unsqueeze(-1) * probs[:, :1]
-        drop[:, 0] = False                                  # the most likely token always survives
+        drop[:, 0].fill_(False)                             # the most likely token always survives
         keep &= ~torch.zeros_like(drop).scatter(-1, order, drop)
     gumbel = -torch.log(-torch.log(hash_uniform(sp.seeds, pos, logp.shape[-1])))
     noisy = torch.where(keep, logp + gumbel, float("-inf"))
@@ -108,7 +116,13 @@ class EmbeddedEngine:
     """RolloutEngine on the project's DSV4 model (see the module docstring)."""
 
     def __init__(self, model: Transformer, *, max_batch: int = 64, max_seq_len: int | None = None,
-                 eos_token_id: int | None = None, model_path: str = "", seed: int = 0):
+                 eos_token_id: int | None = None, model_path: str = "", seed: int = 0,
+                 cuda_graphs: bool | None = None, max_decoders: int = 8):
+        """cuda_graphs: replay each decode step from a CUDA graph captured per (batch rows, cache capacity);
+        None = on where the model is on a GPU, unless DSV4_CUDA_GRAPHS=0. A capture that fails falls back to
+        eager decoding with a warning. True on a CPU keeps the static shapes and the decoder reuse (what the
+        GPU path does around the graph) and decodes eagerly. max_decoders: how many captured decoders (each
+        with its KV cache) are kept for reuse."""
         self.model = model.eval()
         self.cfg: ModelConfig = model.cfg
         self.max_batch = max_batch
@@ -124,6 +138,11 @@ class EmbeddedEngine:
         self._abort = False
         self._released: dict[str, torch.Tensor] | None = None
         self._groups: dict[str, object] = {}
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and os.environ.get("DSV4_CUDA_GRAPHS", "1") != "0"
+        self._graphs = cuda_graphs
+        self.max_decoders = max_decoders
+        self._decoders: dict[tuple[int, int], decode.GraphedStep] = {}   # free decoders, least recently used first
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -170,93 +189,154 @@ class EmbeddedEngine:
         self._counter += 1
         return (self._seed * 0x9E3779B1 + self._counter) & 0x7FFFFFFF
 
+    # ------------------------------------------------------------------ decoding
+    def _shape(self, batch: int, max_len: int) -> tuple[int, int]:
+        """(rows, cache capacity) of a decoder for `batch` samples up to `max_len` tokens. With CUDA graphs both
+        are rounded up to a power of two (rows within max_batch, capacity within max_seq_len), so a few captured
+        decoders serve every call; without, they are exact (padding would only cost compute)."""
+        if not self._graphs:
+            return batch, max_len
+
+        def pow2(n):
+            return 1 << (n - 1).bit_length()
+        return max(batch, min(pow2(batch), self.max_batch)), max(max_len, min(pow2(max_len), self.max_seq_len))
+
+    def _take_decoder(self, rows: int, cap: int) -> decode.GraphedStep:
+        """A decoder for (rows, cap), reused from an earlier call when one is free: its cache needs no reset
+        (decode's docstring says why) and its graph is already captured. A concurrent call with the same shape
+        gets its own."""
+        with self._cv:
+            dec = self._decoders.pop((rows, cap), None)
+        if dec is None:
+            dec = decode.GraphedStep(self.model, decode.DecodeCache(self.model, rows, cap), graph=self._graphs)
+        return dec
+
+    def _keep_decoder(self, dec: decode.GraphedStep) -> None:
+        if not self._graphs:
+            return                                # nothing to save: eager caches are cheap to rebuild
+        with self._cv:
+            self._decoders[(dec.cache.batch, dec.cache.max_len)] = dec
+            while len(self._decoders) > self.max_decoders:  # the least recently used goes, cache and graph
+                self._decoders.pop(next(iter(self._decoders)))
+
+    def _drop_decoders(self) -> None:
+        with self._cv:
+            self._decoders.clear()
+
     @torch.no_grad()
     def _generate_batch(self, reqs: list[GenerateRequest], version: str) -> list[GenerateResult]:
+        """Decode one batch. The batch keeps its shape until every sample has finished: a finished sample's row
+        goes on decoding tokens nobody reads, so that a CUDA graph of the step replays unchanged (and rows are
+        added, with the graphs, to round the batch up: see `_shape`). The host learns each step's tokens through
+        one small device-to-host copy, read one step late: step t+1 is queued before the host waits for step t's
+        tokens, so the GPU never idles on the host's bookkeeping; a sample that stopped at step t has one more
+        step decoded for it, which is discarded."""
         t0 = time.perf_counter()
         dev, V, L = self.device, self.cfg.vocab_size, self.cfg.n_layers
         B = len(reqs)
-        prompts = [r.input_ids for r in reqs]
-        plen = torch.tensor([len(p) for p in prompts], device=dev)
+        plen = [len(r.input_ids) for r in reqs]
         budget = [r.sampling_params.max_new_tokens for r in reqs]
-        max_len = max(len(p) + n for p, n in zip(prompts, budget))
-        seq = torch.zeros(B, max_len, dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            seq[i, :len(p)] = torch.tensor(p)
+        max_len = max(p + n for p, n in zip(plen, budget))
+        R, cap = self._shape(B, max_len)
+        pad = R - B                                # rows that only round the batch up: greedy on token 0
         seeds = [r.sampling_params.sampling_seed if r.sampling_params.sampling_seed is not None
-                 else self._next_seed() for r in reqs]
-        sp = BatchSampling([r.sampling_params for r in reqs], seeds, V, dev)
+                 else self._next_seed() for r in reqs] + [0] * pad
+        sp = BatchSampling([r.sampling_params for r in reqs] + [SamplingParams(temperature=0.0)] * pad, seeds, V, dev)
         stops = [set(r.sampling_params.stop_token_ids or []) |
                  ({self.eos_token_id} if self.eos_token_id is not None and not r.sampling_params.ignore_eos else set())
                  for r in reqs]
+        host_seq = torch.zeros(R, cap, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            host_seq[i, :plen[i]] = torch.tensor(r.input_ids, dtype=torch.long)
+        seq = host_seq.to(dev)
+        prompt_len = torch.tensor(plen + [0] * pad, device=dev)
         want_routes = any(r.return_routed_experts for r in reqs)
-        routes = torch.zeros(B, max_len, L, self.cfg.n_activated_experts, dtype=torch.int32, device=dev) \
+        routes = torch.zeros(R, cap, L, self.cfg.n_activated_experts, dtype=torch.int32, device=dev) \
             if want_routes else None
-        logps = torch.zeros(B, max_len, device=dev)
-        cache = decode.DecodeCache(self.model, B, max_len)
-        live = torch.arange(B, device=dev)         # batch rows still decoding -> original request index
+        logps = torch.zeros(R, cap, device=dev)
         finish: list[dict | None] = [None] * B
         out_len = [0] * B
         for i, n in enumerate(budget):             # max_new_tokens=0: nothing to decode
             if n == 0:
                 finish[i] = {"type": "length", "length": 0}
-        keep = [i for i in range(B) if finish[i] is None]
-        if len(keep) < B:
-            live = live[keep]
-            kept = torch.tensor(keep, dtype=torch.long, device=dev)
-            cache.select(kept)
-            sp.select(kept)
-        pos = 0
-        while len(live):
-            if self._abort:
-                for i in live.tolist():
-                    finish[i] = {"type": "abort", "message": "generation paused with mode=abort",
-                                 "status_code": 503, "err_type": None}
-                break
-            logits, r = decode.step(self.model, cache, seq[live, pos], pos)
-            if routes is not None:
-                routes[live, pos] = r.to(torch.int32)
-            nxt = pos + 1
-            sampling = plen[live] <= nxt             # rows whose prompt is consumed: position nxt is theirs
-            if bool(sampling.any()):
-                lp = scaled_logprobs(logits, sp.temperature, sp.allowed)
-                tok = sample(lp, sp, nxt)
-                chosen_lp = lp.gather(-1, tok.unsqueeze(-1))[:, 0]
-                seq[live, nxt] = torch.where(sampling, tok, seq[live, nxt])
-                logps[live, nxt] = torch.where(sampling, chosen_lp, logps[live, nxt])
-                done = []
-                for j, (i, s, t) in enumerate(zip(live.tolist(), sampling.tolist(), tok.tolist())):
-                    if not s:
-                        continue
-                    out_len[i] += 1
-                    if t in stops[i]:
-                        finish[i] = {"type": "stop", "matched": t}
-                    elif out_len[i] >= budget[i]:
-                        finish[i] = {"type": "length", "length": out_len[i]}
-                    if finish[i] is not None:
-                        done.append(j)
-                if done:
-                    gone = set(done)
-                    still = torch.tensor([j for j in range(len(live)) if j not in gone], dtype=torch.long, device=dev)
-                    live = live[still]
-                    cache.select(still)
-                    sp.select(still)
-            pos = nxt
+
+        # the one device-to-host copy a step: the sampled tokens, into one of two pinned buffers (one being
+        # filled while the host reads the other), each with the event that says it has landed
+        cuda = dev.type == "cuda"
+        host_tok = [torch.zeros(R, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        landed = [torch.cuda.Event() if cuda else None for _ in range(2)]
+
+        def account(nxt: int, buf: int) -> None:
+            """The host's side of the step that sampled position `nxt`: lengths, stops, budgets."""
+            if landed[buf] is not None:
+                landed[buf].synchronize()
+            toks = host_tok[buf].tolist()
+            for i in range(B):
+                if finish[i] is not None or plen[i] > nxt:  # finished, or still in its prompt
+                    continue
+                out_len[i] += 1
+                if toks[i] in stops[i]:
+                    finish[i] = {"type": "stop", "matched": toks[i]}
+                elif out_len[i] >= budget[i]:
+                    finish[i] = {"type": "length", "length": out_len[i]}
+
+        decoder = self._take_decoder(R, cap)
+        try:
+            pos, pending, sampled, aborted = 0, None, 0, False
+            while True:
+                todo = [i for i in range(B) if finish[i] is None]
+                launched = queued = False
+                if todo and self._abort:
+                    aborted = True
+                # the last position any unfinished sample can still sample (its budget's end)
+                elif todo and pos + 1 <= max(plen[i] + budget[i] - 1 for i in todo):
+                    logits, r = decoder(seq[:, pos], pos)
+                    if routes is not None:
+                        routes[:, pos] = r
+                    nxt = pos + 1
+                    if nxt >= min(plen[i] for i in todo):   # some sample's prompt is consumed: it samples nxt
+                        lp = scaled_logprobs(logits, sp.temperature, sp.allowed)
+                        tok = sample(lp, sp, nxt)
+                        sampling = prompt_len <= nxt        # rows past their prompt (the others keep it)
+                        seq[:, nxt] = torch.where(sampling, tok, seq[:, nxt])
+                        logps[:, nxt] = torch.where(sampling, lp.gather(-1, tok.unsqueeze(-1))[:, 0], logps[:, nxt])
+                        buf = sampled % 2
+                        host_tok[buf].copy_(tok, non_blocking=cuda)
+                        if cuda:
+                            landed[buf].record()
+                        sampled += 1
+                        queued = True
+                    pos, launched = nxt, True
+                if pending is not None:
+                    account(*pending)
+                pending = (pos, buf) if queued else None
+                if not launched and pending is None:
+                    break
+        finally:
+            self._keep_decoder(decoder)
+        for i in range(B):
+            if finish[i] is None:                   # only an abort leaves a sample unfinished
+                finish[i] = {"type": "abort", "message": "generation paused with mode=abort",
+                             "status_code": 503, "err_type": None} if aborted else \
+                    {"type": "length", "length": out_len[i]}
         elapsed = time.perf_counter() - t0
+        seq_h, logps_h = seq[:B].cpu(), logps[:B].cpu()
+        routes_h = routes[:B].cpu() if routes is not None else None
         results = []
         for i, r in enumerate(reqs):
-            p, n = len(r.input_ids), out_len[i]
-            out_ids = seq[i, p:p + n].tolist()
+            p, n = plen[i], out_len[i]
+            out_ids = seq_h[i, p:p + n].tolist()
             meta = {"id": r.rid or uuid.uuid4().hex, "finish_reason": finish[i], "prompt_tokens": p,
                     "completion_tokens": n, "cached_tokens": 0, "weight_version": version,
                     "e2e_latency": elapsed}
             if r.return_logprob:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
-                                                 zip(logps[i, p:p + n].tolist(), out_ids)]
+                                                 zip(logps_h[i, p:p + n].tolist(), out_ids)]
                 meta["output_token_logprobs_length"] = n
-            if r.return_routed_experts and routes is not None:
+            if r.return_routed_experts and routes_h is not None:
                 # SGLang's rows: the tokens fed to the model from routed_experts_start_len on (the last sampled
                 # token is never fed, so it has no route)
-                meta["routed_experts"] = routes[i, r.routed_experts_start_len:p + n - 1].cpu().numpy()
+                meta["routed_experts"] = routes_h[i, r.routed_experts_start_len:p + n - 1].numpy()
             results.append(GenerateResult(out_ids, meta))
         return results
 
@@ -432,8 +512,12 @@ class EmbeddedEngine:
                 self._released = {n: p.detach().to("cpu", copy=True) for n, p in self._params.items()}
                 for p in self._params.values():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if any(t in tags for t in ("weights", "kv_cache", "cuda_graph")):
+                # the graphs read the parameters' old storage, and the caches are the KV memory
+                self._drop_decoders()
+            if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        where = "moved to host memory" if self._released is not None else "nothing held between calls"
+        where = "moved to host memory" if self._released is not None else "no weights moved"
         return ack(True, f"released {tags}: {where}")
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
@@ -442,6 +526,7 @@ class EmbeddedEngine:
                 for n, p in self._params.items():
                     p.data = self._released[n].to(self.device)
                 self._released = None
+                self._drop_decoders()              # captured against storage that is gone
         return ack(True, "resumed")
 
     # ------------------------------------------------------------------ health and info

@@ -295,13 +295,17 @@ def bench_kernels(shapes, ops, no_torch, upstream, indexer, warmup, iters, as_js
 @click.option("--prompt-len", default=None, type=int, help="tokens fed before timing (default: 16 cpu, 256 cuda)")
 @click.option("--steps", default=8, show_default=True, help="timed decode steps per batch size")
 @click.option("--warmup", default=2, show_default=True)
+@click.option("--eager", is_flag=True,
+              help="also time the decode step without its CUDA graph, same positions, beside the graphed one "
+                   "(on a CPU there is no graph: one set of rows either way)")
 @click.option("--sync", "sync_paths", default="tensor,tensor-fp8,disk,distributed", show_default=True,
               help="weight-update paths to time (empty: none)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
-def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len, steps, warmup, sync_paths,
+def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len, steps, warmup, eager, sync_paths,
                   as_json):
-    """Decode tokens/s of the embedded rollout engine beside the HBM roofline of the same step, and the seconds
-    and GB/s of each weight-update path."""
+    """Decode tokens/s of the embedded rollout engine (its CUDA-graphed step, and with --eager the same step
+    launched op by op) beside the HBM roofline of the same step, and the seconds and GB/s of each weight-update
+    path."""
     import torch
 
     from dsv4.config import parse_overrides
@@ -324,15 +328,18 @@ def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len
     engine = EmbeddedEngine.from_preset(model, [f"{k}={v}" for k, v in overrides.items()], device=dev)
     bw = rb.copy_bandwidth(engine.device)
     rows = rb.bench_decode(engine, [int(b) for b in batches.split(",") if b], prompt_len or (256 if cuda else 16),
-                           steps, warmup, bw, say)
+                           steps, warmup, bw, say, eager=eager)
     sync_rows = rb.bench_sync(engine, [p for p in sync_paths.split(",") if p], say)
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": model, "overrides": overrides,
-              "copy_bandwidth_gb_s": bw / 1e9, "decode": [asdict(r) for r in rows],
+              "copy_bandwidth_gb_s": bw / 1e9, "graph_capture_failed": rb.decode.GraphedStep.capture_failed,
+              "decode": [asdict(r) for r in rows],
               "sync": [asdict(r) for r in sync_rows]}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"device: {report['device']}   model: {model} {overrides or ''}")
+    if report["graph_capture_failed"]:
+        click.echo(f"CUDA graph capture failed, eager only: {report['graph_capture_failed']}")
     click.echo(rb.table(rows, bw))
     if sync_rows:
         click.echo(f"{'weight update':<24} {'tensors':>7} {'GB':>8} {'s':>8} {'GB/s':>7}")

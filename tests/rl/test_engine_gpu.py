@@ -1,6 +1,7 @@
 """The embedded engine on a GPU with the TileLang attention: cached decoding against the full forward at bf16
-tolerance, on the tiny model and on the smoke's Flash-width 4-layer model (8 routed experts), and the engine's
-logprobs against the training model's."""
+tolerance, on the tiny model and on the smoke's Flash-width 4-layer model (8 routed experts), the engine's
+logprobs against the training model's (through CUDA graphs, the engine's default on a GPU), and the decode step
+replayed from a CUDA graph against the same step run eagerly."""
 import pytest
 import torch
 
@@ -60,3 +61,53 @@ def test_engine_logprobs_match_the_training_model_bf16():
     d = torch.cat(diffs)
     print(f"engine vs training logprobs (bf16, tilelang): mean |d| {d.mean().item():.4f}, max {d.max().item():.4f}")
     assert d.mean().item() < 0.03          # miles' rollout-vs-train threshold for bf16 runs
+
+
+def _graphed_vs_eager(cfg, S, B):
+    torch.manual_seed(0)
+    model = Transformer(cfg).cuda()
+    ids = torch.randint(0, cfg.vocab_size, (B, S), device="cuda")
+    graphed = decode.GraphedStep(model, decode.DecodeCache(model, B, S))
+    eager = decode.DecodeCache(model, B, S)
+    rel, same_routes = [], []
+    for p in range(S):
+        pos = torch.tensor(p, device="cuda") if p % 2 else p      # both kinds of position
+        g_logits, g_routes = graphed(ids[:, p], pos)
+        e_logits, e_routes = decode.step(model, eager, ids[:, p], p)
+        assert graphed.graphed, f"capture failed: {decode.GraphedStep.capture_failed}"
+        rel.append(((g_logits - e_logits).norm(dim=-1) / e_logits.norm(dim=-1)).max())
+        same_routes.append(torch.equal(g_routes.sort(-1).values, e_routes.sort(-1).values))
+    return torch.stack(rel), same_routes
+
+
+def test_graphed_decoding_equals_eager_decoding_tiny_fp32_torch():
+    """The torch attention, fp32: the replayed kernels are the eager ones, on the same inputs."""
+    rel, same = _graphed_vs_eager(ModelConfig.preset("tiny", attn_impl="torch"), 80, 3)
+    assert rel.max().item() < 1e-5 and all(same), rel
+
+
+def test_graphed_decoding_equals_eager_decoding_4layer_bf16_tilelang():
+    """The TileLang sparse attention inside the graph (compiled by the warm-up steps before the capture), across
+    the 128-token window and a ratio-128 entry."""
+    cfg = ModelConfig.preset("4layer", n_routed_experts=8, attn_impl="tilelang", max_seq_len=512)
+    rel, same = _graphed_vs_eager(cfg, 140, 4)
+    assert rel.max().item() < 1e-2 and sum(same) >= 0.99 * len(same), rel
+
+
+def test_engine_with_and_without_cuda_graphs_agree():
+    """Greedy decoding, fp32, torch attention: the graphed engine (padded rows, rounded-up capacity, finished
+    rows decoding on) returns the eager engine's tokens and logprobs; its second call reuses the captured
+    decoder."""
+    kw = dict(seed=3, device="cuda")
+    graphed = EmbeddedEngine.from_preset("tiny", ["attn_impl=torch", "index_topk=64"], cuda_graphs=True, **kw)
+    eager = EmbeddedEngine.from_preset("tiny", ["attn_impl=torch", "index_topk=64"], cuda_graphs=False, **kw)
+    reqs = [GenerateRequest(list(range(30, 30 + n)), SamplingParams(max_new_tokens=m, temperature=t, sampling_seed=i),
+                            return_logprob=True) for i, (n, m, t) in enumerate([(3, 20, 0.0), (25, 6, 1.0), (9, 9, 0.7)])]
+    for _ in range(2):
+        a, b = graphed.generate(reqs), eager.generate(reqs)
+        assert decode.GraphedStep.capture_failed is None, decode.GraphedStep.capture_failed
+        assert all(d.graphed for d in graphed._decoders.values())
+        for x, y in zip(a, b):
+            assert x.output_ids == y.output_ids and x.meta_info["finish_reason"] == y.meta_info["finish_reason"]
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-4
+    assert len(graphed._decoders) == 1
