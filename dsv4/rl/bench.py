@@ -131,10 +131,10 @@ def bench_decode(engine: EmbeddedEngine, batches: list[int], prompt_len: int, st
         dec = decode.GraphedStep(model, cache)
         for p in range(prompt_len):        # the prompt through the graph (captured at position 0)
             dec(ids[:, p], p)
-        runs = [("graph" if dec.graphed else "eager", lambda p: dec(ids[:, p], p))]
+        runs = [("graph" if dec.graphed else "eager", lambda p, dec=dec: dec(ids[:, p], p))]
         if eager and dec.graphed:
             # the same positions again, op by op: a step repeated at its position redoes the same work
-            runs.append(("eager", lambda p: decode.step(model, cache, ids[:, p], p)))
+            runs.append(("eager", lambda p, cache=cache: decode.step(model, cache, ids[:, p], p)))
         for mode, run in runs:
             times, routes = _time_steps(run, range(prompt_len, total), prompt_len + warmup, dev)
             byte_counts = [step_bytes(model, cache, r, B) for r in routes]

@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -58,7 +58,6 @@ class RLConfig:
     allowed_token_ids: list[int] | None = None
     stop_token_ids: list[int] | None = None
     scratch: Path | None = None        # where the disk sync writes its checkpoint
-    extra: dict = field(default_factory=dict)
 
 
 # ================================================================================================ the trainer
