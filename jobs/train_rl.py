@@ -28,10 +28,16 @@ def rl_config(cfg: dict, task, scratch: Path):
         max_new_tokens=cfg["PRESET_RL_MAX_NEW_TOKENS"] or task.max_new_tokens,
         temperature=cfg["PRESET_RL_TEMPERATURE"], clip_low=cfg["PRESET_RL_CLIP_LOW"],
         clip_high=cfg["PRESET_RL_CLIP_HIGH"], kl_coef=cfg["PRESET_RL_KL_COEF"], tis_cap=cfg["PRESET_RL_TIS_CAP"],
-        std_normalize=bool(cfg["PRESET_RL_STD_NORMALIZE"]), sync_path=cfg["PRESET_RL_SYNC"],
+        std_normalize=bool(cfg["PRESET_RL_STD_NORMALIZE"]), sync_path=sync_path(cfg),
         sync_format=cfg["PRESET_RL_SYNC_FORMAT"], bucket_mb=cfg["PRESET_RL_SYNC_BUCKET_MB"],
         replay=bool(cfg["PRESET_RL_REPLAY"]), dead_steps=cfg["PRESET_RL_DEAD_STEPS"], seed=cfg["PRESET_SEED"],
         allowed_token_ids=task.allowed_token_ids, stop_token_ids=task.stop_token_ids, scratch=scratch)
+
+
+def sync_path(cfg: dict) -> str:
+    if cfg["PRESET_RL_SYNC"] != "auto":
+        return cfg["PRESET_RL_SYNC"]
+    return "broadcast" if cfg.get("V4_ROLLOUT_ENGINE") == "sglang" else "inproc"
 
 
 def train_config(cfg: dict, rl, prompt_len: int):
@@ -54,6 +60,25 @@ def train_config(cfg: dict, rl, prompt_len: int):
         weight_decay=cfg["PRESET_WEIGHT_DECAY"], seed=cfg["PRESET_SEED"],
         save_interval=max(1, cfg["PRESET_SAVE_INTERVAL"]), save_retain_interval=cfg.get("PRESET_SAVE_RETAIN_INTERVAL", 0),
         recompute="full" if cfg.get("HW_RECOMPUTE_GRANULARITY") == "full" else "none", device=cfg["HW_DEVICE"])
+
+
+def rollout_engine(cfg: dict, tc, rl):
+    """The embedded engine in this process, or (V4_ROLLOUT_ENGINE=sglang) the server the rollout-up step started,
+    through the same client as any SGLang server; its weights then travel by broadcast or disk."""
+    if cfg.get("V4_ROLLOUT_ENGINE", "embedded") == "sglang":
+        from dsv4.rl.http import HTTPEngine
+        urls = cfg.get("ROLLOUT_URLS") or []
+        if len(urls) != 1:
+            raise ValueError(f"RL with SGLang drives one rollout server for now; the config names {len(urls)} "
+                             f"(V4_ROLLOUT_NODES); list one node")
+        rl.sync_address = cfg["V4_MASTER_IP"]
+        engine = HTTPEngine(urls[0], routed_experts_shape=(tc.model.n_layers, tc.model.n_activated_experts))
+        engine.wait_healthy(float(cfg.get("V4_ROLLOUT_HEALTH_TIMEOUT") or 300))
+        return engine
+    from dsv4.model import Transformer
+    from dsv4.rl.engine import EmbeddedEngine
+    return EmbeddedEngine(Transformer(tc.model, init=False).to(tc.device), max_seq_len=tc.seq_len + 1,
+                          model_path="trainer", seed=tc.seed)
 
 
 def make_task(cfg: dict, bf16_dir: Path):
@@ -90,8 +115,6 @@ def main(argv=None) -> int:
         return 0
     from dsv4.megatron.parallel import init_parallel
     from dsv4.megatron.train import Outputs, init_distributed, quiet_libraries
-    from dsv4.model import Transformer
-    from dsv4.rl.engine import EmbeddedEngine
     from dsv4.rl.loop import run_grpo
     quiet_libraries()
     init_distributed(0, 1, cfg["HW_DIST_BACKEND"], tc.device, "127.0.0.1", int(cfg.get("V4_DIST_PORT") or 29500))
@@ -99,8 +122,7 @@ def main(argv=None) -> int:
     torch_dist = ctx.paths.torch_dist_dir
     out = Outputs(checkpoints=ctx.paths.checkpoints, init_checkpoint=torch_dist if done(torch_dist) else None,
                   nonfinite=step_dir / "nonfinite.json")
-    engine = EmbeddedEngine(Transformer(tc.model, init=False).to(tc.device), max_seq_len=tc.seq_len + 1,
-                            model_path="trainer", seed=tc.seed)
+    engine = rollout_engine(cfg, tc, rl)
     log(f"train (RL): {tc.model.n_layers}-layer {cfg['PRESET_MODEL']} model on {tc.device}, task "
         f"{cfg['PRESET_RL_TASK']}, {tc.num_steps} steps of {rl.prompts_per_step} prompts x {rl.group_size} samples, "
         f"sync {rl.sync_path}/{rl.sync_format}, replay {'on' if rl.replay else 'off'}")

@@ -180,6 +180,8 @@ ENDPOINT_FIELDS: dict[str, tuple[str, dict[str, _Field]]] = {
     "/pause_generation": ("PauseGenerationReqInput", {
         "mode": _f(_v_choice("abort", "retract", "in_place"), "abort")}),
     "/continue_generation": ("ContinueGenerationReqInput", {"torch_empty_cache": _f(_v_bool, True, _DROP)}),
+    "/get_weights_by_name": ("GetWeightsByNameReqInput", {
+        "name": _f(_v_str, _REQUIRED), "truncate_size": _f(_v_int, 100)}),
     "/release_memory_occupation": ("ReleaseMemoryOccupationReqInput", {"tags": _f(_v_opt(_v_list(_v_str)))}),
     "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", {"tags": _f(_v_opt(_v_list(_v_str)))}),
 }
@@ -487,6 +489,16 @@ class _Handler(BaseHTTPRequestHandler):
             ack = extra(ack, kw)
         return _Reply(200 if ok else 400, ack)
 
+    def _get_weights(self, query) -> _Reply:
+        # SGLang answers the parameter's first values as a JSON list (the trainer reads weights back with it)
+        try:
+            kw = parse_fields("/get_weights_by_name", self._read_json())
+            return _Reply(200, self.server.engine.get_weights_by_name(**kw))
+        except RequestError as e:
+            raise _error(400, str(e), e.field) from None
+        except KeyError:
+            raise _error(400, f"no parameter named {kw['name']!r}", "name") from None
+
     def _flush_cache(self, query) -> _Reply:
         # SGLang: 200 with text, or 400 with the reason; the timeout is a query parameter, the body is empty
         if "timeout" in query:
@@ -574,6 +586,7 @@ ROUTES: dict[str, tuple[tuple[str, ...], Callable]] = {
     "/resume_memory_occupation": (("GET", "POST"), _weights("/resume_memory_occupation",
                                                                      "resume_memory_occupation")),
     "/flush_cache": (("GET", "POST"), _Handler._flush_cache),
+    "/get_weights_by_name": (("GET", "POST"), _Handler._get_weights),
     "/health": (("GET",), _Handler._health),
     "/health_generate": (("GET",), _Handler._health_generate),
     "/model_info": (("GET",), _Handler._model_info),
@@ -867,6 +880,10 @@ class HTTPEngine:
     def flush_cache(self) -> dict:
         status, body = self._call("POST", "/flush_cache", None, ok_statuses=(200, 400))
         return api.ack(status == 200, body.decode("utf-8", "replace").strip())
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` values of a parameter, flattened (SGLang's /get_weights_by_name)."""
+        return self._json("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})[1]
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         return self._ack_call("/release_memory_occupation", {} if tags is None else {"tags": list(tags)})

@@ -57,7 +57,8 @@ class RLConfig:
     seed: int = 0
     allowed_token_ids: list[int] | None = None
     stop_token_ids: list[int] | None = None
-    scratch: Path | None = None        # where the disk sync writes its checkpoint
+    scratch: Path | None = None        # where the disk sync writes its checkpoint (a path the engine can read)
+    sync_address: str = "127.0.0.1"    # the trainer's address the engine joins for a broadcast sync
 
 
 # ================================================================================================ the trainer
@@ -225,7 +226,7 @@ def push_weights(engine, stage, cfg, rl: RLConfig, version: str) -> SyncReport:
             for b in parts:
                 _ok(engine.update_weights_from_tensor(b, weight_version=version))
         elif rl.sync_path == "broadcast":
-            _broadcast(engine, parts, version)
+            _broadcast(engine, parts, version, rl.sync_address)
         elif rl.sync_path == "disk":
             _ok(engine.update_weights_from_disk(str(_write_disk(named, cfg, rl.scratch)), weight_version=version))
         else:
@@ -243,14 +244,18 @@ def _ok(res: dict) -> None:
         raise RuntimeError(f"weight update refused by the rollout engine: {res.get('message')}")
 
 
-def _broadcast(engine, parts, version: str) -> None:
+def _broadcast(engine, parts, version: str, address: str) -> None:
     """Rank 0 of a fresh two-member group is this trainer; the engine joins as rank 1 (its call runs in a
     thread because joining blocks until both sides are there, as SGLang's does)."""
     import socket
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         port = s.getsockname()[1]
-    backend = "nccl" if parts and parts[0][0][1].is_cuda and torch.cuda.device_count() > 1 else "gloo"
+    from dsv4.rl.engine import EmbeddedEngine
+    # NCCL between this process and an engine in another one (on its own GPUs); an engine in this process
+    # shares the trainer's GPU, which one NCCL group cannot hold twice, so its bytes go through gloo
+    on_gpu = bool(parts) and parts[0][0][1].is_cuda
+    backend = "nccl" if on_gpu and not isinstance(engine, EmbeddedEngine) else "gloo"
     answers: list[dict] = []
 
     def call(fn, *a, **kw):
@@ -258,8 +263,8 @@ def _broadcast(engine, parts, version: str) -> None:
         th.start()
         return th
 
-    th = call(engine.init_weights_update_group, "127.0.0.1", port, 1, 2, group_name="v4-sync", backend=backend)
-    group = sync.weight_group("127.0.0.1", port, 0, 2, backend, "v4-sync")
+    th = call(engine.init_weights_update_group, address, port, 1, 2, group_name="v4-sync", backend=backend)
+    group = sync.weight_group(address, port, 0, 2, backend, "v4-sync")
     th.join()
     _ok(answers.pop())
     try:

@@ -253,6 +253,10 @@ def derive_and_check(cfg: Config) -> None:
         d[key] = Derived(path, formula)
 
     # -- batch and token budget -------------------------------------------------------------------
+    if v["PRESET_MODE"] == "rl" and v["V4_ROLLOUT_ENGINE"] == "sglang" and v["PRESET_RL_SYNC"] == "inproc":
+        errors.append(f"{at(cfg, 'PRESET_RL_SYNC')} copies weights inside the trainer's process, but "
+                      f"{at(cfg, 'V4_ROLLOUT_ENGINE')} serves from its own processes: use broadcast (or disk, on a "
+                      "path both see)")
     if v["PRESET_MODE"] == "rl":
         # an RL step trains on every sample it rolled out: the global batch is prompts x group
         samples = v["PRESET_RL_PROMPTS_PER_STEP"] * v["PRESET_RL_GROUP_SIZE"]

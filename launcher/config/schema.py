@@ -179,9 +179,9 @@ KEYS: list[Key] = [
     _k("PRESET_RL_TIS_CAP", "float", 0, "preset",
        "truncated importance sampling: weight tokens by min(p_train/p_rollout, cap) (0: off)"),
     _k("PRESET_RL_STD_NORMALIZE", "bool", 1, "preset", "divide group advantages by the group's reward std"),
-    _k("PRESET_RL_SYNC", "enum", "inproc", "preset",
-       "weight sync to the rollout engine: in-process copy, a broadcast group, or a checkpoint on disk",
-       ("inproc", "broadcast", "disk")),
+    _k("PRESET_RL_SYNC", "enum", "auto", "preset",
+       "weight sync to the rollout engine: in-process copy, a broadcast group, or a checkpoint on disk "
+       "(auto: inproc for the embedded engine, broadcast for SGLang servers)", ("auto", "inproc", "broadcast", "disk")),
     _k("PRESET_RL_SYNC_FORMAT", "enum", "full", "preset",
        "full: tensors in the trainer's dtype; fp8: the release format's FP8 tensors as e4m3 128x128 blocks with "
        "power-of-two scales", ("full", "fp8")),

@@ -561,3 +561,11 @@ def test_sglang_parses_the_rendered_command(layout_cfg):
     from launcher.config.schema import SCHEMA
     backend = next(a for a in parser._actions if a.dest == "dsv4_attn_backend")
     assert set(SCHEMA["V4_ROLLOUT_DSV4_ATTN_BACKEND"].choices) == set(backend.choices)
+
+
+def test_sglang_servers_take_weights_by_broadcast_or_disk():
+    (msg,) = refused(PRESET_RL_SYNC="inproc")
+    assert msg.startswith("PRESET_RL_SYNC=inproc (cli --set PRESET_RL_SYNC) copies weights inside the trainer's")
+    assert "V4_ROLLOUT_ENGINE=sglang" in msg and "use broadcast" in msg
+    h20(PRESET_RL_SYNC="broadcast")
+    h20()                                                            # auto: broadcast for SGLang

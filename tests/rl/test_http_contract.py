@@ -445,6 +445,9 @@ def test_every_payload_the_client_sends_is_an_sglang_request(start, sgl, tmp_pat
         "release": c.release_memory_occupation(["kv_cache"]),
         "resume": c.resume_memory_occupation(),
     }
+    # SGLang answers the parameter's values themselves (a JSON list), not an ack
+    values = c.get_weights_by_name(name, truncate_size=5)
+    assert values == p.detach().flatten()[:5].tolist()
     assert all(a["success"] for k, a in answers.items() if k != "disk"), answers
     assert not answers["disk"]["success"] and "config.json" in answers["disk"]["message"]
     seen = set()
@@ -459,6 +462,9 @@ def test_every_payload_the_client_sends_is_an_sglang_request(start, sgl, tmp_pat
         assert not missing, f"{call.path}: required {missing} not sent"
         seen.add(call.path)
         body = json.loads(call.body)
+        if call.path == "/get_weights_by_name":
+            assert isinstance(body, list) and len(body) == call.payload["truncate_size"]
+            continue
         out_cls = cls.replace("ReqInput", "ReqOutput")
         # the answer carries SGLang's output fields (success/message; num_paused_requests for disk)
         assert {f for f in sgl.classes.get(out_cls, {}) if f not in ("rid", "http_worker_ipc")} <= set(body), \
