@@ -15,9 +15,10 @@ Exit codes: 0 done, 1 failed (also: no learning signal for PRESET_RL_DEAD_STEPS 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.common import RunContext, done, fingerprint, log, mark_done
+from jobs.common import RunContext, done, fingerprint, log, mark_done, ranks_local
 from jobs.train_sft import layout_from, model_config, world_size
 
 
@@ -51,7 +52,7 @@ def train_config(cfg: dict, rl, prompt_len: int):
     if seq_len > cfg["PRESET_SEQ_LEN"]:
         raise ValueError(f"the task's prompts ({prompt_len} tokens) plus {rl.max_new_tokens} new tokens need "
                          f"PRESET_SEQ_LEN >= {seq_len}, the run has {cfg['PRESET_SEQ_LEN']}")
-    mbs = min(cfg["PRESET_MICRO_BATCH_SIZE"], n)
+    mbs = min(cfg["PRESET_MICRO_BATCH_SIZE"], n // max(1, int(cfg.get("DP") or 1)))   # a DP share holds n / DP
     return TrainConfig(
         model=m, layout=layout_from(cfg), objective=Objective(),
         seq_len=seq_len, micro_batch_size=mbs, global_batch_size=n,
@@ -90,20 +91,49 @@ def make_task(cfg: dict, bf16_dir: Path):
     return tasks.make_task(name)
 
 
+@dataclass
+class RLJob:
+    """What every rank needs (picklable: tasks and the engine are rebuilt from the config on each rank)."""
+    run_dir: str
+    tc: object              # dsv4.megatron.train.TrainConfig
+    rl: object              # dsv4.rl.loop.RLConfig
+    backend: str
+
+
+def _task_and_reward(cfg: dict, bf16_dir: Path):
+    from dsv4.rl import tasks
+    task = make_task(cfg, bf16_dir)
+    return task, (tasks.load_reward(cfg["PRESET_RL_REWARD"]) if cfg.get("PRESET_RL_REWARD") else task.reward)
+
+
+def worker(rank: int, world: int, master_addr: str, master_port: int, job: RLJob) -> int:
+    """One rank of the RL job (in process, a local process, or a Ray actor). Rank 0 also holds the rollout engine."""
+    from dsv4.megatron.parallel import init_parallel
+    from dsv4.megatron.train import Outputs, init_distributed, quiet_libraries
+    from dsv4.rl.loop import run_grpo
+    quiet_libraries()
+    ctx = RunContext.load(job.run_dir)
+    cfg, tc = ctx.cfg, job.tc
+    init_distributed(rank, world, job.backend, tc.device, master_addr, master_port)
+    init_parallel(tc.layout, tc.seed)
+    task, reward_fn = _task_and_reward(cfg, ctx.paths.bf16_dir)
+    torch_dist = ctx.paths.torch_dist_dir
+    out = Outputs(checkpoints=ctx.paths.checkpoints, init_checkpoint=torch_dist if done(torch_dist) else None,
+                  nonfinite=ctx.step_dir("train") / "nonfinite.json")
+    engine = rollout_engine(cfg, tc, job.rl) if rank == 0 else None
+    return run_grpo(tc, job.rl, task, reward_fn, engine, out, on_metrics=ctx.write_metrics, log=log)
+
+
 def main(argv=None) -> int:
     ctx = RunContext.from_argv(argv, __doc__)
     cfg = ctx.cfg
     from dsv4.rl import tasks
     try:
-        task = make_task(cfg, ctx.paths.bf16_dir)
-        reward_fn = tasks.load_reward(cfg["PRESET_RL_REWARD"]) if cfg.get("PRESET_RL_REWARD") else task.reward
+        task, _ = _task_and_reward(cfg, ctx.paths.bf16_dir)
         rl = rl_config(cfg, task, ctx.step_dir("train"))
         prompt_len = max(len(s.prompt_ids) for s in task.prompts(1, rl.prompts_per_step, rl.seed))
         tc = train_config(cfg, rl, prompt_len)
         world = world_size(cfg)
-        if world != 1:
-            raise ValueError(f"RL runs at world 1 for now (V4_NUM_NODES x V4_NUM_GPUS_PER_NODE = {world}); set "
-                             "V4_NUM_GPUS_PER_NODE=1 and PRESET_EP=1 for the RL stage")
         tc.layout.validate(tc.model, world, tc.seq_len)
     except (ValueError, KeyError, tasks.RewardSpecError) as e:
         log(f"error: {e}")
@@ -113,20 +143,12 @@ def main(argv=None) -> int:
     if done(step_dir, inputs):
         log(f"training already finished ({step_dir}); skipped")
         return 0
-    from dsv4.megatron.parallel import init_parallel
-    from dsv4.megatron.train import Outputs, init_distributed, quiet_libraries
-    from dsv4.rl.loop import run_grpo
-    quiet_libraries()
-    init_distributed(0, 1, cfg["HW_DIST_BACKEND"], tc.device, "127.0.0.1", int(cfg.get("V4_DIST_PORT") or 29500))
-    init_parallel(tc.layout, tc.seed)
-    torch_dist = ctx.paths.torch_dist_dir
-    out = Outputs(checkpoints=ctx.paths.checkpoints, init_checkpoint=torch_dist if done(torch_dist) else None,
-                  nonfinite=step_dir / "nonfinite.json")
-    engine = rollout_engine(cfg, tc, rl)
-    log(f"train (RL): {tc.model.n_layers}-layer {cfg['PRESET_MODEL']} model on {tc.device}, task "
+    log(f"train (RL): {tc.model.n_layers}-layer {cfg['PRESET_MODEL']} model on {tc.device}, world {world}, task "
         f"{cfg['PRESET_RL_TASK']}, {tc.num_steps} steps of {rl.prompts_per_step} prompts x {rl.group_size} samples, "
         f"sync {rl.sync_path}/{rl.sync_format}, replay {'on' if rl.replay else 'off'}")
-    code = run_grpo(tc, rl, task, reward_fn, engine, out, on_metrics=ctx.write_metrics, log=log)
+    from dsv4.megatron.launch import launch
+    code = launch(worker, world, RLJob(str(ctx.run_dir), tc, rl, cfg["HW_DIST_BACKEND"]), tc.device,
+                  int(cfg.get("V4_DIST_PORT") or 0), log, local=ranks_local(cfg))
     if code == 0:
         mark_done(step_dir, inputs, steps=tc.num_steps)
     return code

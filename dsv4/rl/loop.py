@@ -13,8 +13,9 @@ monitor) with the SFT loss swapped for the policy loss (`RLTrainer`); the rollou
 4. weight sync: pause -> flush -> begin -> buckets -> end -> continue, `weight_version` = the step, and a read
    back of the engine's weights against the trainer's (`weights_synced`).
 
-Runs at world 1 (the embedded engine and the trainer in one process). Larger worlds need the engine on its own
-ranks or SGLang servers, and a gather of the trainer's shards before sync; not built yet.
+Any megatron layout (TP, PP, EP, DP): every rank trains its data-parallel share of the step's samples; rank 0
+holds the engine (in its process, or a client of a server elsewhere), rolls out, scores, hands the batch to every
+rank, and, after the step, gathers the weights' slices from all ranks (`full_weights`) and syncs them.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ class RLTrainer(Trainer):
             self.allowed = torch.zeros(tc.model.vocab_size, dtype=torch.bool)
             self.allowed[rl.allowed_token_ids] = True
         self._stats: list[dict] = []
-        self._agree = torch.zeros(2)
+        self._agree = self.last_agree = torch.zeros(2)
 
     def _gates(self):
         return {int(i): layer.ffn.gate for i, layer in self.stage.layers.items()}
@@ -125,11 +126,14 @@ class RLTrainer(Trainer):
         return logp, loss_func
 
     def rl_step(self, micro: list[dict]):
+        """One optimizer step -> (StepResult, this rank's loss statistics per micro-batch, route agreement of this
+        rank's layers or None); `last_agree` keeps the agreement's counts [agreeing rows, replayed rows]."""
         self._stats, self._agree = [], torch.zeros(2)
         try:
             res = self.step(micro)
         finally:
             self.clear_replay()
+        self.last_agree = self._agree
         return res, self._stats, (float(self._agree[0] / self._agree[1]) if self._agree[1] > 0 else None)
 
 
@@ -172,15 +176,39 @@ def _atomic_key(name: str) -> str:
     return base
 
 
-def sync_tensors(stage, cfg, fmt: str) -> list[tuple[str, torch.Tensor]]:
-    """The trainer's weights as official-named tensors: as stored, or FP8 e4m3 blocks + power-of-two scales
-    for the weights the release stores in FP8 or FP4 (the rollout runs FP8 experts, as SGLang with
-    SGLANG_DSV4_FP4_EXPERTS=0)."""
+def full_weights(trainer) -> dict[str, torch.Tensor] | None:
+    """The trainer's weights as whole official-named tensors, on rank 0 (None elsewhere). At world 1 they are the
+    parameters themselves; otherwise every rank sends the slices it holds (TP shards, its experts, its pipeline
+    stage's layers) and rank 0 assembles them (replicated slices arrive more than once, equal)."""
+    params = [(key, p) for key, p, copy in trainer.stage.checkpoint_params() if not copy]
+    if trainer.ranks.world == 1:
+        return {key: p.detach() for key, p in params}
+    from dsv4.megatron.parallel import shard_index
+    shapes = trainer.tc.model.param_shapes()
+    pieces = [(key, shard_index(p, shapes[key], trainer.ranks), p.detach().cpu()) for key, p in params]
+    lead = trainer.ranks.rank == 0
+    everyone = [None] * trainer.ranks.world if lead else None
+    dist.gather_object(pieces, everyone, dst=0)
+    if not lead:
+        return None
+    full: dict[str, torch.Tensor] = {}
+    for rank_pieces in everyone:
+        for key, index, t in rank_pieces:
+            if key not in full:
+                full[key] = torch.empty(shapes[key], dtype=t.dtype)
+            full[key][index] = t
+    missing = set(shapes) - set(full)
+    if missing:
+        raise RuntimeError(f"no rank holds {sorted(missing)[:5]}: the gathered weights are incomplete")
+    dev = torch.device(trainer.tc.device)
+    return {k: v.to(dev) for k, v in full.items()}
+
+
+def sync_tensors(weights: dict[str, torch.Tensor], cfg, fmt: str) -> list[tuple[str, torch.Tensor]]:
+    """The weights to send: as stored, or FP8 e4m3 blocks + power-of-two scales for the weights the release
+    stores in FP8 or FP4 (the rollout runs FP8 experts, as SGLang with SGLANG_DSV4_FP4_EXPERTS=0)."""
     out = []
-    for name, p, copy in stage.checkpoint_params():
-        if copy:
-            continue
-        t = p.detach()
+    for name, t in weights.items():
         if fmt == "fp8" and t.dim() == 2 and cfg.storage_format(name) in ("fp8", "fp4"):
             q, s = quant.weight_quant_fp8(t, 128, ue8m0=True)
             out += [(name, q), (name[:-len("weight")] + "scale", s)]
@@ -213,8 +241,9 @@ class SyncReport:
     version: str
 
 
-def push_weights(engine, stage, cfg, rl: RLConfig, version: str) -> SyncReport:
-    named = sync_tensors(stage, cfg, rl.sync_format)
+def push_weights(engine, weights: dict[str, torch.Tensor], cfg, rl: RLConfig, version: str) -> SyncReport:
+    """Send `weights` (whole, official names) to the engine, bracketed as SGLang wants, then read them back."""
+    named = sync_tensors(weights, cfg, rl.sync_format)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     t0 = time.perf_counter()
     engine.pause_generation(mode="retract")
@@ -235,7 +264,7 @@ def push_weights(engine, stage, cfg, rl: RLConfig, version: str) -> SyncReport:
         engine.end_weight_update()
         engine.continue_generation()
     seconds = time.perf_counter() - t0
-    err, ok = _read_back(engine, stage, rl.sync_format)
+    err, ok = _read_back(engine, weights, rl.sync_format)
     return SyncReport(seconds, nbytes, err, ok, version)
 
 
@@ -293,7 +322,7 @@ def _write_disk(named, cfg, scratch: Path | None) -> Path:
     return d
 
 
-def _read_back(engine, stage, fmt: str, probe: int = 4096) -> tuple[float, bool | None]:
+def _read_back(engine, weights: dict[str, torch.Tensor], fmt: str, probe: int = 4096) -> tuple[float, bool | None]:
     """max |engine - trainer| over the first `probe` values of every parameter, and whether each is within the
     format's bound: 0 for full (an exact copy); for FP8 e4m3 blocks with power-of-two scales s, round to nearest
     with a 3-bit mantissa, |w - q| <= 2^-4 |w|, plus 2^-10 s for values in e4m3's subnormal range (spacing 2^-9 s),
@@ -301,9 +330,7 @@ def _read_back(engine, stage, fmt: str, probe: int = 4096) -> tuple[float, bool 
     if not hasattr(engine, "get_weights_by_name"):
         return float("nan"), None
     worst, ok = 0.0, True
-    for name, p, copy in stage.checkpoint_params():
-        if copy:
-            continue
+    for name, p in weights.items():
         got = torch.tensor(engine.get_weights_by_name(name, truncate_size=probe))
         want = p.detach().flatten()[:probe].float().cpu()
         err = (got - want).abs()
@@ -319,72 +346,120 @@ def _read_back(engine, stage, fmt: str, probe: int = 4096) -> tuple[float, bool 
 # ================================================================================================ the loop
 def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, out: Outputs,
              on_metrics: Callable[[dict], None] = lambda row: None, log: Callable[[str], None] = print) -> int:
-    """tc.num_steps GRPO steps (resuming from out.checkpoints). Returns 0, 1 (no learning signal) or 16."""
-    from dsv4.rl.tasks import score
-    if dist.get_world_size() != 1:
-        raise ValueError(f"RL runs at world 1 for now (got {dist.get_world_size()}); set the layout to one process")
+    """tc.num_steps GRPO steps (resuming from out.checkpoints). Returns 0, 1 (no learning signal) or 16.
+    Every rank calls it; rank 0 holds the engine (None elsewhere), rolls out, scores, syncs and writes metrics,
+    and hands each step's batch to all ranks, each of which trains on its data-parallel share."""
     trainer = RLTrainer(tc, rl, init=None)
-    start = _restore(trainer, out, log)
+    ranks = trainer.ranks
+    lead = ranks.rank == 0
+    say = log if lead else (lambda msg: None)
+    start = _restore(trainer, out, say)
     cfg = tc.model
-    ref_model = _reference_policy(trainer, rl, out, start) if rl.kl_coef > 0 else None
-    rep = push_weights(engine, trainer.stage, cfg, rl, str(start))
-    log(f"weights synced to the rollout engine (version {start}, {rep.bytes / 1e6:.1f} MB, {rep.seconds:.2f} s, "
-        f"{rl.sync_path}/{rl.sync_format})")
+    weights = full_weights(trainer)
+    ref_model = _reference_policy(trainer, weights, out, start) if rl.kl_coef > 0 and lead else None
+    if lead:
+        rep = push_weights(engine, weights, cfg, rl, str(start))
+        say(f"weights synced to the rollout engine (version {start}, {rep.bytes / 1e6:.1f} MB, {rep.seconds:.2f} s, "
+            f"{rl.sync_path}/{rl.sync_format})")
     n = rl.prompts_per_step * rl.group_size
     dead, seen = 0, (math.inf, -math.inf)
     kill_at = int(os.environ.get("V4_KILL_AT_STEP", "0") or 0)     # test hook, as in the SFT loop
     for step in range(start + 1, tc.num_steps + 1):
         t0 = time.perf_counter()
-        if step == kill_at:
-            log(f"V4_KILL_AT_STEP={kill_at}: killing the job at the start of step {step}")
+        if step == kill_at and lead:
+            say(f"V4_KILL_AT_STEP={kill_at}: killing the job at the start of step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
-        prompts = task.prompts(step, rl.prompts_per_step, rl.seed)
-        samples = [s for s in prompts for _ in range(rl.group_size)]
-        reqs = [GenerateRequest(s.prompt_ids, SamplingParams(
-                    max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
-                    allowed_token_ids=rl.allowed_token_ids, stop_token_ids=rl.stop_token_ids,
-                    sampling_seed=sampling_seed(rl.seed, step, i)),
-                    return_logprob=True, return_routed_experts=rl.replay) for i, s in enumerate(samples)]
-        t_roll = time.perf_counter()
-        results = engine.generate(reqs)
-        rollout_s = time.perf_counter() - t_roll
-        stale = {r.meta_info.get("weight_version") for r in results} - {str(step - 1)}
-        if stale:
-            raise RuntimeError(f"step {step}: rollouts came from weight version(s) {sorted(stale)}, expected "
-                               f"{step - 1}: the engine did not take the last sync")
-        rewards = torch.tensor(score(reward_fn, samples, [r.output_ids for r in results]))
-        adv, live = grpo.group_advantages(rewards, rl.group_size, rl.std_normalize)
-        live_groups = float(live.view(-1, rl.group_size)[:, 0].float().mean())
-        batch = build_batch(samples, results, adv, tc.seq_len, cfg, rl.replay)
-        if ref_model is not None:
-            batch["ref_logp"] = _ref_logp(ref_model, batch, rl, trainer.allowed)
-        res, stats, agree = trainer.rl_step(split_micro_batches(batch, tc.micro_batch_size))
+        roll = _rollout(engine, task, reward_fn, rl, step, tc, cfg, ref_model, trainer.allowed) if lead else None
+        batch = _share(roll["batch"] if lead else None, ranks)
+        per = n // ranks.dp
+        mine = {k: v[ranks.dp_rank * per:(ranks.dp_rank + 1) * per] for k, v in batch.items()}
+        res, stats, agree = trainer.rl_step(split_micro_batches(mine, tc.micro_batch_size))
         if not res.finite:
-            return _stop_nonfinite(trainer, res, out, log)
-        rep = push_weights(engine, trainer.stage, cfg, rl, str(step))
-        row = _metrics_row(step, res, stats, rewards, live_groups, results, rollout_s, rep, agree, n, tc,
-                           time.perf_counter() - t0)
-        on_metrics(row)
-        log(f"step {step}/{tc.num_steps} reward {row['reward_mean']:.3f} (live groups {live_groups:.2f}) "
-            f"loss {res.loss:.4f} |dlogp| max {row['logprob_diff_max']:.2e} route agree "
-            f"{'-' if agree is None else f'{agree:.3f}'} sync {rep.seconds:.2f} s {row['step_time_s']:.2f} s")
+            return _stop_nonfinite(trainer, res, out, say)
+        stats, agree = _gather_stats(stats, trainer, ranks)
+        weights = full_weights(trainer)
+        stop = None
+        if lead:
+            rep = push_weights(engine, weights, cfg, rl, str(step))
+            rewards, live_groups = roll["rewards"], roll["live_groups"]
+            row = _metrics_row(step, res, stats, rewards, live_groups, roll["results"], roll["rollout_s"], rep,
+                               agree, n, tc, time.perf_counter() - t0)
+            on_metrics(row)
+            say(f"step {step}/{tc.num_steps} reward {row['reward_mean']:.3f} (live groups {live_groups:.2f}) "
+                f"loss {res.loss:.4f} |dlogp| max {row['logprob_diff_max']:.2e} route agree "
+                f"{'-' if agree is None else f'{agree:.3f}'} sync {rep.seconds:.2f} s {row['step_time_s']:.2f} s")
+            seen = (min(seen[0], float(rewards.min())), max(seen[1], float(rewards.max())))
+            # no group with differing rewards: solved when every sample earns the best reward the run has seen
+            # (and it has seen worse), stuck otherwise (collapsed, or no signal from the start)
+            solved = bool((rewards == seen[1]).all()) and seen[0] < seen[1]
+            dead = dead + 1 if live_groups == 0 and not solved else 0
+            if live_groups == 0 and solved:
+                say(f"step {step}: every sample earned the best reward ({seen[1]:g}): nothing left to learn from")
+            if dead == 1:
+                say(f"warning: step {step}: every group's rewards are equal, so there is no advantage to learn "
+                    f"from. Raise PRESET_RL_TEMPERATURE or PRESET_RL_GROUP_SIZE, or use a task whose reward varies "
+                    f"at the start (docs/rl.md); the run stops after {rl.dead_steps} such steps in a row")
+            if dead >= rl.dead_steps:
+                stop = f"error: {dead} steps in a row without a group whose rewards differ: stopping (exit 1)"
         if step % tc.save_interval == 0 or step == tc.num_steps:
-            log(f"saved {trainer.save(out.checkpoints)}")
-        seen = (min(seen[0], float(rewards.min())), max(seen[1], float(rewards.max())))
-        # no group with differing rewards: solved when every sample earns the best reward the run has seen
-        # (and it has seen worse), stuck otherwise (collapsed, or no signal from the start)
-        solved = bool((rewards == seen[1]).all()) and seen[0] < seen[1]
-        dead = dead + 1 if live_groups == 0 and not solved else 0
-        if live_groups == 0 and solved:
-            log(f"step {step}: every sample earned the best reward ({seen[1]:g}): nothing left to learn from")
-        if dead == 1:
-            log(f"warning: step {step}: every group's rewards are equal, so there is no advantage to learn from. "
-                f"Raise PRESET_RL_TEMPERATURE or PRESET_RL_GROUP_SIZE, or use a task whose reward varies at the "
-                f"start (docs/rl.md); the run stops after {rl.dead_steps} such steps in a row")
-        if dead >= rl.dead_steps:
-            log(f"error: {dead} steps in a row without a group whose rewards differ: stopping (exit 1)")
+            path = trainer.save(out.checkpoints)
+            say(f"saved {path}")
+        stop = _share(stop, ranks)            # every rank stops together
+        if stop:
+            say(stop)
             return 1
     return 0
+
+
+def _rollout(engine, task, reward_fn, rl: RLConfig, step: int, tc, cfg, ref_model, allowed) -> dict:
+    """Rank 0's part of a step: prompts, rollouts on the last synced weights, rewards, advantages, the batch."""
+    from dsv4.rl.tasks import score
+    prompts = task.prompts(step, rl.prompts_per_step, rl.seed)
+    samples = [s for s in prompts for _ in range(rl.group_size)]
+    reqs = [GenerateRequest(s.prompt_ids, SamplingParams(
+                max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+                allowed_token_ids=rl.allowed_token_ids, stop_token_ids=rl.stop_token_ids,
+                sampling_seed=sampling_seed(rl.seed, step, i)),
+                return_logprob=True, return_routed_experts=rl.replay) for i, s in enumerate(samples)]
+    t = time.perf_counter()
+    results = engine.generate(reqs)
+    rollout_s = time.perf_counter() - t
+    stale = {r.meta_info.get("weight_version") for r in results} - {str(step - 1)}
+    if stale:
+        raise RuntimeError(f"step {step}: rollouts came from weight version(s) {sorted(stale)}, expected "
+                           f"{step - 1}: the engine did not take the last sync")
+    rewards = torch.tensor(score(reward_fn, samples, [r.output_ids for r in results]))
+    adv, live = grpo.group_advantages(rewards, rl.group_size, rl.std_normalize)
+    batch = build_batch(samples, results, adv, tc.seq_len, cfg, rl.replay)
+    if ref_model is not None:
+        batch["ref_logp"] = _ref_logp(ref_model, batch, rl, allowed)
+    return {"batch": batch, "results": results, "rewards": rewards, "rollout_s": rollout_s,
+            "live_groups": float(live.view(-1, rl.group_size)[:, 0].float().mean())}
+
+
+def _share(obj, ranks):
+    """Rank 0's object on every rank (nothing to send at world 1)."""
+    if ranks.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather_stats(stats: list[dict], trainer: RLTrainer, ranks) -> tuple[list[dict], float | None]:
+    """The loss statistics (on the last pipeline stage's ranks, one list per data-parallel share) and the route
+    agreement (counted on every rank for its own layers) of all ranks, on rank 0."""
+    agree = trainer.last_agree
+    if ranks.world == 1:
+        return stats, (float(agree[0] / agree[1]) if agree[1] > 0 else None)
+    counts = agree.clone().to(trainer._comm_device())
+    dist.all_reduce(counts)
+    mine = stats if ranks.last_stage and ranks.tp_rank == 0 else []     # TP ranks hold the same numbers
+    everyone = [None] * ranks.world if ranks.rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    merged = [st for part in everyone for st in part] if ranks.rank == 0 else []
+    counts = counts.cpu()
+    return merged, (float(counts[0] / counts[1]) if counts[1] > 0 else None)
 
 
 def _metrics_row(step, res, stats, rewards, live_groups, results, rollout_s, rep, agree, n, tc, step_s) -> dict:
@@ -413,18 +488,16 @@ def _metrics_row(step, res, stats, rewards, live_groups, results, rollout_s, rep
             for k, v in row.items()}
 
 
-def _reference_policy(trainer: RLTrainer, rl: RLConfig, out: Outputs, start: int):
+def _reference_policy(trainer: RLTrainer, weights: dict[str, torch.Tensor], out: Outputs, start: int):
     """The frozen policy the KL term pulls toward: the weights this RL run started from, kept in the run's
-    checkpoint directory so that a resumed run uses the same reference."""
+    checkpoint directory so that a resumed run uses the same reference. Rank 0 only."""
     from dsv4.model import Transformer
     path = Path(out.checkpoints) / "reference_policy.pt"
     model = Transformer(trainer.tc.model, init=False).to(trainer.tc.device).eval()
     if start == 0 or not path.is_file():
-        state = {n: p.detach().cpu().clone() for n, p, c in trainer.stage.checkpoint_params() if not c}
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
-    state = torch.load(path, weights_only=True)
-    model.load_state_dict(state, strict=False)
+        torch.save({n: t.detach().cpu() for n, t in weights.items()}, path)
+    model.load_state_dict(torch.load(path, weights_only=True), strict=False)
     for p in model.parameters():
         p.requires_grad_(False)
     return model

@@ -67,3 +67,22 @@ def test_a_killed_rl_run_resumes_with_the_same_prompts_and_seeds(work):
     for s in (4, 5, 6):
         for key in ("reward_mean", "loss", "grad_norm", "response_len"):
             assert rows[s][key] == straight[s - 1][key], (s, key, rows[s][key], straight[s - 1][key])
+
+
+@pytest.mark.parametrize("layout", [("PRESET_TP=2",), ("PRESET_EP=2",), ("PRESET_PP=2",)],
+                         ids=["tp2", "ep2_dp2", "pp2"])
+def test_rl_on_two_gloo_ranks_follows_one_rank(work, layout):
+    """The trainer on megatron-core's parallel layouts (rank 0 rolls out and syncs; each rank trains its share):
+    the same rollouts, rewards and losses as one process, step for step."""
+    common = ("--set", "V4_EXECUTOR=local", "--set", "PRESET_NUM_STEPS=4", "--set", "PRESET_GATES=finite_loss")
+    one = v4(work, "run", "--preset", "rl_smoke", "--json", *common)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = v4(work, "run", "--preset", "rl_smoke", "--json", *common, "--set", "V4_NUM_GPUS_PER_NODE=2",
+             *[a for kv in layout for a in ("--set", kv)])
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = (metrics(Path(json.loads(r.stdout)["run_dir"])) for r in (one, two))
+    assert "world 2" in (Path(json.loads(two.stdout)["run_dir"]) / "steps/train/log").read_text()
+    for x, y in zip(a, b):
+        assert x["reward_mean"] == y["reward_mean"] and x["response_len"] == y["response_len"]
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * max(1.0, abs(x["grad_norm"]))
+        assert y["weights_synced"] is True and y["logprob_diff_max"] <= 1e-4 and y["route_agree"] == 1.0

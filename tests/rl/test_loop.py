@@ -1,8 +1,8 @@
 """The RL loop's parts that need no megatron process: the training batch's alignment, bucketing, and the three
 weight-sync paths into a real embedded engine, read back after the sync.
 
-The trainer's side here is a reference model's parameters behind `checkpoint_params()`, the one method of the
-megatron stage that sync reads (the full loop runs in tests/pipeline/test_rl_pipeline.py)."""
+The trainer's side here is a reference model's parameters by official name, what `full_weights` assembles from
+the megatron stage (the full loop runs in tests/pipeline/test_rl_pipeline.py and tests/rl/test_loop_http.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,15 +17,8 @@ from dsv4.rl.loop import RLConfig, _atomic_key, _read_back, buckets, build_batch
 from dsv4.rl.tasks import Sample
 
 
-class Params:
-    """The trainer side of a sync: official-named parameters, as DSV4Stage.checkpoint_params yields them."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def checkpoint_params(self):
-        for name, p in self.model.named_parameters():
-            yield name, p, 0
+def weights_of(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in model.named_parameters()}
 
 
 def _probe(engine):
@@ -37,13 +30,13 @@ def _probe(engine):
 @pytest.mark.parametrize("path", ["inproc", "broadcast", "disk"])
 def test_every_sync_path_makes_the_engine_equal_the_trainer(path, tmp_path):
     cfg = ModelConfig.preset("tiny", seed=9)
-    trainer = Params(Transformer(cfg))
+    trainer = Transformer(cfg)
     engine = EmbeddedEngine.from_preset("tiny", seed=0)
     rl = RLConfig(sync_path=path, sync_format="full", bucket_mb=1, scratch=tmp_path)
-    rep = push_weights(engine, trainer, cfg, rl, "4")
+    rep = push_weights(engine, weights_of(trainer), cfg, rl, "4")
     assert rep.bound_ok and rep.max_err == 0.0 and rep.version == "4"
     assert engine.weight_version == "4"
-    for (n, p), (_, q) in zip(trainer.model.named_parameters(), engine.model.named_parameters()):
+    for (n, p), (_, q) in zip(trainer.named_parameters(), engine.model.named_parameters()):
         assert torch.equal(p, q), n
     # all three paths leave the same engine: the same next rollout, token for token and logprob for logprob
     reference = EmbeddedEngine(Transformer(cfg))
@@ -52,21 +45,21 @@ def test_every_sync_path_makes_the_engine_equal_the_trainer(path, tmp_path):
 
 def test_fp8_sync_is_within_its_bound_and_the_check_can_fail():
     cfg = ModelConfig.preset("tiny", seed=9)
-    trainer = Params(Transformer(cfg))
+    trainer = Transformer(cfg)
     engine = EmbeddedEngine.from_preset("tiny", seed=0)
-    rep = push_weights(engine, trainer, cfg, RLConfig(sync_format="fp8"), "1")
+    rep = push_weights(engine, weights_of(trainer), cfg, RLConfig(sync_format="fp8"), "1")
     assert rep.bound_ok and 0 < rep.max_err < 0.1
     name = "layers.1.attn.wq_a.weight"
-    assert not torch.equal(dict(engine.model.named_parameters())[name], dict(trainer.model.named_parameters())[name])
+    assert not torch.equal(dict(engine.model.named_parameters())[name], dict(trainer.named_parameters())[name])
     with torch.no_grad():
         dict(engine.model.named_parameters())[name].mul_(1.2)              # outside e4m3's rounding
-    assert _read_back(engine, trainer, "fp8")[1] is False
-    assert _read_back(engine, trainer, "full")[1] is False
+    assert _read_back(engine, weights_of(trainer), "fp8")[1] is False
+    assert _read_back(engine, weights_of(trainer), "full")[1] is False
 
 
 def test_fp8_covers_exactly_the_release_fp8_and_fp4_weights():
     cfg = ModelConfig.preset("tiny")
-    named = dict(sync_tensors(Params(Transformer(cfg)), cfg, "fp8"))
+    named = dict(sync_tensors(weights_of(Transformer(cfg)), cfg, "fp8"))
     for n, t in named.items():
         if n.endswith(".scale"):
             continue
@@ -78,7 +71,7 @@ def test_fp8_covers_exactly_the_release_fp8_and_fp4_weights():
 
 def test_buckets_keep_fused_pairs_and_scales_together():
     cfg = ModelConfig.preset("tiny")
-    named = sync_tensors(Params(Transformer(cfg)), cfg, "fp8")
+    named = sync_tensors(weights_of(Transformer(cfg)), cfg, "fp8")
     parts = buckets(named, 1)                     # every atomic group alone
     where = {n: i for i, b in enumerate(parts) for n, _ in b}
     assert where["layers.1.attn.wq_a.weight"] == where["layers.1.attn.wkv.weight"] == where["layers.1.attn.wq_a.scale"]
