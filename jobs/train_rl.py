@@ -64,16 +64,16 @@ def train_config(cfg: dict, rl, prompt_len: int):
 
 
 def rollout_engine(cfg: dict, tc, rl):
-    """The embedded engine in this process, or (V4_ROLLOUT_ENGINE=sglang) the server the rollout-up step started,
-    through the same client as any SGLang server; its weights then travel by broadcast or disk."""
+    """The embedded engine in this process, or (V4_ROLLOUT_ENGINE=sglang) the servers the rollout-up step started,
+    one client each behind an EngineGroup; their weights then travel by broadcast or disk."""
     if cfg.get("V4_ROLLOUT_ENGINE", "embedded") == "sglang":
+        from dsv4.rl.group import EngineGroup
         from dsv4.rl.http import HTTPEngine
         urls = cfg.get("ROLLOUT_URLS") or []
-        if len(urls) != 1:
-            raise ValueError(f"RL with SGLang drives one rollout server for now; the config names {len(urls)} "
-                             f"(V4_ROLLOUT_NODES); list one node")
+        shape = (tc.model.n_layers, tc.model.n_activated_experts)
+        gpus = int(cfg["V4_ROLLOUT_TP"]) * int(cfg["V4_ROLLOUT_DP"])      # each server's ranks in the sync group
         rl.sync_address = cfg["V4_MASTER_IP"]
-        engine = HTTPEngine(urls[0], routed_experts_shape=(tc.model.n_layers, tc.model.n_activated_experts))
+        engine = EngineGroup([HTTPEngine(u, routed_experts_shape=shape) for u in urls], [gpus] * len(urls))
         engine.wait_healthy(float(cfg.get("V4_ROLLOUT_HEALTH_TIMEOUT") or 300))
         return engine
     from dsv4.model import Transformer

@@ -376,7 +376,7 @@ def _gates(cfg, run, plan: Plan) -> None:
             gating.record_pass(cfg, cfg["PRESET_STAGE"], plan.run_id, results)
 
 
-NEXT_STAGE = {"smoke": "dryrun", "dryrun": "full"}
+NEXT_STAGE = {"smoke": "dryrun", "dryrun": "full", "rl_smoke": "rl_dryrun", "rl_dryrun": "rl_full"}
 
 
 def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:

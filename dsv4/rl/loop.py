@@ -241,9 +241,17 @@ class SyncReport:
     version: str
 
 
+def _is_sglang(engine) -> bool:
+    return hasattr(engine, "is_ours") and not engine.is_ours()
+
+
 def push_weights(engine, weights: dict[str, torch.Tensor], cfg, rl: RLConfig, version: str) -> SyncReport:
-    """Send `weights` (whole, official names) to the engine, bracketed as SGLang wants, then read them back."""
+    """Send `weights` (whole, official names) to the engine, bracketed as SGLang wants, then read them back. SGLang
+    loads HF names (an FP8 weight's scale as `weight_scale_inv`); our engines take either and get official ones."""
     named = sync_tensors(weights, cfg, rl.sync_format)
+    if _is_sglang(engine):
+        from dsv4.checkpoint import official_to_hf
+        named = [(official_to_hf(n, cfg.n_layers), t) for n, t in named]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     t0 = time.perf_counter()
     engine.pause_generation(mode="retract")
@@ -274,8 +282,8 @@ def _ok(res: dict) -> None:
 
 
 def _broadcast(engine, parts, version: str, address: str) -> None:
-    """Rank 0 of a fresh two-member group is this trainer; the engine joins as rank 1 (its call runs in a
-    thread because joining blocks until both sides are there, as SGLang's does)."""
+    """Rank 0 of a fresh group is this trainer; the engine's ranks follow from 1 (its call runs in a thread
+    because joining blocks until every member is there, as SGLang's does)."""
     import socket
     with socket.socket() as s:
         s.bind((address, 0))
@@ -292,8 +300,9 @@ def _broadcast(engine, parts, version: str, address: str) -> None:
         th.start()
         return th
 
-    th = call(engine.init_weights_update_group, address, port, 1, 2, group_name="v4-sync", backend=backend)
-    group = sync.weight_group(address, port, 0, 2, backend, "v4-sync")
+    world = 1 + getattr(engine, "n_ranks", 1)          # the trainer, then every GPU of every server
+    th = call(engine.init_weights_update_group, address, port, 1, world, group_name="v4-sync", backend=backend)
+    group = sync.weight_group(address, port, 0, world, backend, "v4-sync")
     th.join()
     _ok(answers.pop())
     try:
@@ -326,8 +335,9 @@ def _read_back(engine, weights: dict[str, torch.Tensor], fmt: str, probe: int = 
     """max |engine - trainer| over the first `probe` values of every parameter, and whether each is within the
     format's bound: 0 for full (an exact copy); for FP8 e4m3 blocks with power-of-two scales s, round to nearest
     with a 3-bit mantissa, |w - q| <= 2^-4 |w|, plus 2^-10 s for values in e4m3's subnormal range (spacing 2^-9 s),
-    with s bounded by the tensor's largest block scale, pow2ceil(max |w| / 448). None: the engine cannot be read."""
-    if not hasattr(engine, "get_weights_by_name"):
+    with s bounded by the tensor's largest block scale, pow2ceil(max |w| / 448). None: the engine cannot be read
+    by these names (SGLang names its parameters after its own fused layers)."""
+    if not hasattr(engine, "get_weights_by_name") or _is_sglang(engine):
         return float("nan"), None
     worst, ok = 0.0, True
     for name, p in weights.items():

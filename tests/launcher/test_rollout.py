@@ -164,8 +164,6 @@ def test_the_embedded_engine_renders_nothing():
 # --- the plan ---------------------------------------------------------------------------------------------
 
 def _dry_run(capsys, monkeypatch, *sets, as_json=False):
-    # jobs/train_rl.py belongs to the RL trainer's authors; whether it exists yet is not what these tests are about
-    monkeypatch.setattr("launcher.plan.program_exists", lambda root, module: True)
     args = ["run", "--preset", "rl_smoke", "--cluster", "h20_8node", "--hw", "h200", "--dry-run",
             "--set", "V4_ROLLOUT_ENGINE=sglang", *(x for s in sets for x in ("--set", s))]
     with pytest.raises(SystemExit) as e:
@@ -569,3 +567,19 @@ def test_sglang_servers_take_weights_by_broadcast_or_disk():
     assert "V4_ROLLOUT_ENGINE=sglang" in msg and "use broadcast" in msg
     h20(PRESET_RL_SYNC="broadcast")
     h20()                                                            # auto: broadcast for SGLang
+
+
+def test_rl_dryrun_plans_sglang_on_every_training_node(capsys):
+    """The RL stage B0 preset on the shipped 8-node cluster: validates, and its plan starts a colocated SGLang
+    server on every node before the train step and stops them after it."""
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--preset", "rl_dryrun", "--cluster", "h20_8node", "--hw", "h200", "--dry-run", "--json"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0, err
+    plan = json.loads(out)
+    names = [s["name"] for s in plan["steps"]]
+    assert names[-5:] == ["convert", "rollout-up", "train", "rollout-down", "gates"]
+    up = next(s for s in plan["steps"] if s["name"] == "rollout-up")
+    assert len(up["nodes"]) == 8
+    train = next(s for s in plan["steps"] if s["name"] == "train")
+    assert train["available"] and "jobs.train_rl" in json.dumps(train)
