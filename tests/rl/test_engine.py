@@ -224,3 +224,22 @@ def test_update_from_distributed_over_a_gloo_group():
     assert torch.equal(eng.model.head.weight, new)
     assert torch.allclose(eng.model.layers[0].attn.wkv.weight, quant.weight_dequant_fp8(q, s, dtype=torch.float32))
     assert eng.weight_version == "5"
+
+
+def test_a_reused_static_decoder_sees_each_weight_update():
+    """The GPU path's shapes and reuse (cuda_graphs=True decodes the same way, eagerly, on a CPU): a decoder kept
+    from a call before an update must decode the next call on the new weights, with no stale cache rows."""
+    static = EmbeddedEngine.from_preset("tiny", ["index_topk=64"], seed=5, cuda_graphs=True)
+    plain = EmbeddedEngine.from_preset("tiny", ["index_topk=64"], seed=5)
+    reqs = [_req(list(range(50, 50 + n)), n=6, sampling_seed=i) for i, n in enumerate((4, 9, 13))]
+    for version in ("1", "2", "3"):
+        new = Transformer(ModelConfig.preset("tiny", seed=20 + int(version), index_topk=64))
+        named = [(n, p.detach()) for n, p in new.named_parameters()]
+        for eng in (static, plain):
+            assert eng.update_weights_from_tensor(named, weight_version=version)["success"]
+        a, b = plain.generate(reqs), static.generate(reqs)
+        assert len(static._decoders) == 1                      # the same decoder, reused after each update
+        for x, y in zip(a, b):
+            assert x.output_ids == y.output_ids and y.meta_info["weight_version"] == version
+            assert (torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max().item() <= 1e-5
+            assert (x.routed_experts == y.routed_experts).all()
