@@ -561,13 +561,7 @@ class Transformer(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.dim))
         self.hc_head_base = nn.Parameter(torch.empty(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.empty(1))
-        for name, mod in self.named_modules():  # QAT points follow the release format of each weight
-            if isinstance(mod, Linear):
-                fmt = cfg.storage_format(name + ".weight")
-                if fmt in ("fp8", "fp4") and name != "head" and not name.endswith("wo_a"):
-                    mod.qat_input = "fp8" if cfg.fp8_gemm_inputs else None
-                    mod.qat_weight = fmt if (fmt == "fp8" and cfg.fp8_gemm_inputs) or \
-                        (fmt == "fp4" and cfg.mxfp4_experts) else None
+        set_qat_points(self, cfg)
         if init:
             self.init_weights(cfg.seed)
 
@@ -594,6 +588,19 @@ class Transformer(nn.Module):
             mtp_logits.append(self.head_logits(H, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, blk.norm))
         losses = [m.indexer_loss for m in self.modules() if isinstance(m, Attention) and m.indexer_loss is not None]
         return ModelOutput(logits, mtp_logits, torch.stack(losses).mean() if indexer_loss and losses else None)
+
+
+def set_qat_points(root: nn.Module, cfg: ModelConfig) -> None:
+    """Set each Linear's QAT points from the release format of its weight (found by its official name under
+    `root`): FP8-stored weights get the FP8 points when cfg.fp8_gemm_inputs, FP4-stored experts the MXFP4 weight
+    point when cfg.mxfp4_experts. The megatron stages call this too, so the flags mean the same in training."""
+    for name, mod in root.named_modules():
+        if isinstance(mod, Linear):
+            fmt = cfg.storage_format(name + ".weight")
+            if fmt in ("fp8", "fp4") and name != "head" and not name.endswith("wo_a"):   # wo_a: read in an einsum
+                mod.qat_input = "fp8" if cfg.fp8_gemm_inputs else None
+                mod.qat_weight = fmt if (fmt == "fp8" and cfg.fp8_gemm_inputs) or \
+                    (fmt == "fp4" and cfg.mxfp4_experts) else None
 
 
 # =============================================================================================== init

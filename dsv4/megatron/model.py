@@ -85,6 +85,7 @@ class DSV4Stage(nn.Module):
             self.hc_head_base = mark_replicated(nn.Parameter(torch.empty(hc)))
             self.hc_head_scale = mark_replicated(nn.Parameter(torch.empty(1)))
         self._freeze_untrained()
+        ref.set_qat_points(self, cfg)     # the reference model's QAT points, by the same official names
         self.input_tensor: torch.Tensor | None = None
         self.recompute = False            # full activation recomputation per block (Trainer sets it)
 
