@@ -31,7 +31,8 @@ def rl_config(cfg: dict, task, scratch: Path):
         clip_high=cfg["PRESET_RL_CLIP_HIGH"], kl_coef=cfg["PRESET_RL_KL_COEF"], tis_cap=cfg["PRESET_RL_TIS_CAP"],
         std_normalize=bool(cfg["PRESET_RL_STD_NORMALIZE"]), sync_path=sync_path(cfg),
         sync_format=cfg["PRESET_RL_SYNC_FORMAT"], bucket_mb=cfg["PRESET_RL_SYNC_BUCKET_MB"],
-        replay=bool(cfg["PRESET_RL_REPLAY"]), dead_steps=cfg["PRESET_RL_DEAD_STEPS"], seed=cfg["PRESET_SEED"],
+        replay=bool(cfg["PRESET_RL_REPLAY"]), minibatches=max(1, cfg["PRESET_RL_MINIBATCHES"]),
+        dead_steps=cfg["PRESET_RL_DEAD_STEPS"], seed=cfg["PRESET_SEED"],
         allowed_token_ids=task.allowed_token_ids, stop_token_ids=task.stop_token_ids, scratch=scratch)
 
 
@@ -42,12 +43,12 @@ def sync_path(cfg: dict) -> str:
 
 
 def train_config(cfg: dict, rl, prompt_len: int):
-    """The SFT step's TrainConfig with the RL batch: every sample of a step in one optimizer step, sequences
-    padded to the longest prompt plus the response limit."""
+    """The SFT step's TrainConfig with the RL batch: a step's samples over PRESET_RL_MINIBATCHES optimizer updates
+    (num_steps counts updates), sequences padded to the longest prompt plus the response limit."""
     from dsv4.megatron.model import Objective
     from dsv4.megatron.train import TrainConfig
     m = model_config(cfg)
-    n = rl.prompts_per_step * rl.group_size
+    n = rl.prompts_per_step * rl.group_size // rl.minibatches       # the samples of one optimizer update
     seq_len = prompt_len + rl.max_new_tokens - 1
     if seq_len > cfg["PRESET_SEQ_LEN"]:
         raise ValueError(f"the task's prompts ({prompt_len} tokens) plus {rl.max_new_tokens} new tokens need "
@@ -56,7 +57,7 @@ def train_config(cfg: dict, rl, prompt_len: int):
     return TrainConfig(
         model=m, layout=layout_from(cfg), objective=Objective(),
         seq_len=seq_len, micro_batch_size=mbs, global_batch_size=n,
-        num_steps=cfg["PRESET_NUM_STEPS"], lr=cfg["PRESET_LR"], min_lr=cfg["PRESET_MIN_LR"],
+        num_steps=cfg["PRESET_NUM_STEPS"] * rl.minibatches, lr=cfg["PRESET_LR"], min_lr=cfg["PRESET_MIN_LR"],
         lr_decay_style=cfg["PRESET_LR_DECAY_STYLE"], lr_warmup_iters=cfg["PRESET_LR_WARMUP_ITERS"],
         weight_decay=cfg["PRESET_WEIGHT_DECAY"], seed=cfg["PRESET_SEED"],
         save_interval=max(1, cfg["PRESET_SAVE_INTERVAL"]), save_retain_interval=cfg.get("PRESET_SAVE_RETAIN_INTERVAL", 0),

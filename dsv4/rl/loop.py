@@ -6,10 +6,10 @@ monitor) with the SFT loss swapped for the policy loss (`RLTrainer`); the rollou
 1. the task's prompts for this step (a pure function of seed and step, so a resumed run sees the same ones),
    `group_size` samples each with sampling seeds derived from (seed, step, index);
 2. rewards, group-normalised advantages (`grpo.group_advantages`);
-3. one optimizer step over all samples: the trainer scores each response under the rollout's temperature and
-   allowed tokens, with routing replay (`replay.py`), and takes the PPO-clip loss. There is one update per
-   rollout, so the old policy is the current one (ratio 1, clip fraction 0); what the clip and TIS guard
-   against here is the trainer/rollout mismatch, which `logprob_mismatch` reports;
+3. `minibatches` optimizer steps, each on its share of the samples: the trainer scores each response under the
+   rollout's temperature and allowed tokens, with routing replay (`replay.py`), and takes the PPO-clip loss
+   against the policy before the first update (recorded by a forward-only pass; with one update per rollout it
+   is the current policy, ratio 1). The trainer/rollout mismatch is reported by `logprob_mismatch`;
 4. weight sync: pause -> flush -> begin -> buckets -> end -> continue, `weight_version` = the step, and a read
    back of the engine's weights against the trainer's (`weights_synced`).
 
@@ -54,6 +54,7 @@ class RLConfig:
     sync_format: str = "full"          # full | fp8
     bucket_mb: int = 1024
     replay: bool = True
+    minibatches: int = 1               # optimizer updates per rollout, each on its share of the samples
     dead_steps: int = 5
     seed: int = 0
     allowed_token_ids: list[int] | None = None
@@ -77,6 +78,7 @@ class RLTrainer(Trainer):
             self.allowed[rl.allowed_token_ids] = True
         self._stats: list[dict] = []
         self._agree = self.last_agree = torch.zeros(2)
+        self._recording = False
 
     def _gates(self):
         return {int(i): layer.ffn.gate for i, layer in self.stage.layers.items()}
@@ -112,11 +114,17 @@ class RLTrainer(Trainer):
         ref = mb.get("ref_logp")
 
         def loss_func(logp):
+            if self._recording:            # the policy before this rollout's updates: the PPO ratio's base
+                mb["old_logp"] = logp.detach()
+                zero = torch.zeros(2, device=logp.device)
+                return logp.sum() * 0, torch.tensor(1, dtype=torch.int, device=logp.device), {"lm": zero, "mtp": zero}
+            old = mb.get("old_logp")
             loss, st = grpo.policy_loss(
-                logp, logp.detach(), adv, mask, rl.clip_low, rl.clip_high,
+                logp, logp.detach() if old is None else old, adv, mask, rl.clip_low, rl.clip_high,
                 rollout_logp=rollout, tis_cap=rl.tis_cap or None,
                 ref_logp=None if ref is None else ref.to(dev), kl_coef=rl.kl_coef)
-            st.update(grpo.logprob_mismatch(logp.detach(), rollout, mask))
+            # the rollout policy as the trainer computes it: before this rollout's first update
+            st.update(grpo.logprob_mismatch(logp.detach() if old is None else old, rollout, mask))
             self._stats.append(st)
             n = st["samples"]
             # megatron divides the summed gradients by the summed counts: sum over samples / samples = mean
@@ -124,6 +132,16 @@ class RLTrainer(Trainer):
             sums = torch.stack([loss.detach() * n, torch.tensor(float(n), device=logp.device)])
             return loss * n, count, {"lm": sums, "mtp": torch.zeros_like(sums)}
         return logp, loss_func
+
+    def record_old_logp(self, micro: list[dict]) -> None:
+        """A forward-only pass over all of this rank's micro-batches that stores each one's response logprobs
+        (`old_logp`), before the first of several updates on the same rollout."""
+        self._recording = True
+        try:
+            self.eval_loss(micro)
+        finally:
+            self._recording = False
+            self.clear_replay()
 
     def rl_step(self, micro: list[dict]):
         """One optimizer step -> (StepResult, this rank's loss statistics per micro-batch, route agreement of this
@@ -356,14 +374,15 @@ def _read_back(engine, weights: dict[str, torch.Tensor], fmt: str, probe: int = 
 # ================================================================================================ the loop
 def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, out: Outputs,
              on_metrics: Callable[[dict], None] = lambda row: None, log: Callable[[str], None] = print) -> int:
-    """tc.num_steps GRPO steps (resuming from out.checkpoints). Returns 0, 1 (no learning signal) or 16.
+    """tc.num_steps // rl.minibatches GRPO steps (resuming from out.checkpoints). Returns 0, 1 (no learning
+    signal) or 16.
     Every rank calls it; rank 0 holds the engine (None elsewhere), rolls out, scores, syncs and writes metrics,
     and hands each step's batch to all ranks, each of which trains on its data-parallel share."""
     trainer = RLTrainer(tc, rl, init=None)
     ranks = trainer.ranks
     lead = ranks.rank == 0
     say = log if lead else (lambda msg: None)
-    start = _restore(trainer, out, say)
+    start = _restore(trainer, out, say) // rl.minibatches     # checkpoints count optimizer updates
     cfg = tc.model
     weights = full_weights(trainer)
     ref_model = _reference_policy(trainer, weights, out, start) if rl.kl_coef > 0 and lead else None
@@ -372,9 +391,11 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
         say(f"weights synced to the rollout engine (version {start}, {rep.bytes / 1e6:.1f} MB, {rep.seconds:.2f} s, "
             f"{rl.sync_path}/{rl.sync_format})")
     n = rl.prompts_per_step * rl.group_size
+    M = rl.minibatches
+    steps = tc.num_steps // M               # tc counts optimizer updates, M to a step
     dead, seen = 0, (math.inf, -math.inf)
     kill_at = int(os.environ.get("V4_KILL_AT_STEP", "0") or 0)     # test hook, as in the SFT loop
-    for step in range(start + 1, tc.num_steps + 1):
+    for step in range(start + 1, steps + 1):
         t0 = time.perf_counter()
         if step == kill_at and lead:
             say(f"V4_KILL_AT_STEP={kill_at}: killing the job at the start of step {step}")
@@ -383,9 +404,20 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
         batch = _share(roll["batch"] if lead else None, ranks)
         per = n // ranks.dp
         mine = {k: v[ranks.dp_rank * per:(ranks.dp_rank + 1) * per] for k, v in batch.items()}
-        res, stats, agree = trainer.rl_step(split_micro_batches(mine, tc.micro_batch_size))
-        if not res.finite:
-            return _stop_nonfinite(trainer, res, out, say)
+        micro = split_micro_batches(mine, tc.micro_batch_size)
+        if M > 1:
+            trainer.record_old_logp(micro)
+        k = len(micro) // M
+        results, stats, counts = [], [], torch.zeros(2)
+        for j in range(M):
+            res, part, _ = trainer.rl_step(micro[j * k:(j + 1) * k])
+            if not res.finite:
+                return _stop_nonfinite(trainer, res, out, say)
+            results.append(res)
+            stats += part
+            counts += trainer.last_agree
+        trainer.last_agree = counts
+        res = _mean_result(results)
         stats, agree = _gather_stats(stats, trainer, ranks)
         weights = full_weights(trainer)
         stop = None
@@ -395,7 +427,7 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
             row = _metrics_row(step, res, stats, rewards, live_groups, roll["results"], roll["rollout_s"], rep,
                                agree, n, tc, time.perf_counter() - t0)
             on_metrics(row)
-            say(f"step {step}/{tc.num_steps} reward {row['reward_mean']:.3f} (live groups {live_groups:.2f}) "
+            say(f"step {step}/{steps} reward {row['reward_mean']:.3f} (live groups {live_groups:.2f}) "
                 f"loss {res.loss:.4f} |dlogp| max {row['logprob_diff_max']:.2e} route agree "
                 f"{'-' if agree is None else f'{agree:.3f}'} sync {rep.seconds:.2f} s {row['step_time_s']:.2f} s")
             seen = (min(seen[0], float(rewards.min())), max(seen[1], float(rewards.max())))
@@ -411,7 +443,7 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
                     f"at the start (docs/rl.md); the run stops after {rl.dead_steps} such steps in a row")
             if dead >= rl.dead_steps:
                 stop = f"error: {dead} steps in a row without a group whose rewards differ: stopping (exit 1)"
-        if step % tc.save_interval == 0 or step == tc.num_steps:
+        if step % tc.save_interval == 0 or step == steps:
             path = trainer.save(out.checkpoints)
             say(f"saved {path}")
         stop = _share(stop, ranks)            # every rank stops together
@@ -419,6 +451,17 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
             say(stop)
             return 1
     return 0
+
+
+def _mean_result(results: list):
+    """One step's figures from its updates: mean loss and gradient norm, the last learning rate, the total time."""
+    if len(results) == 1:
+        return results[0]
+    from dataclasses import replace
+    last = results[-1]
+    return replace(last, loss=sum(r.loss for r in results) / len(results),
+                   grad_norm=sum(r.grad_norm for r in results) / len(results),
+                   loss_tokens=sum(r.loss_tokens for r in results), step_time_s=sum(r.step_time_s for r in results))
 
 
 def _rollout(engine, task, reward_fn, rl: RLConfig, step: int, tc, cfg, ref_model, allowed) -> dict:

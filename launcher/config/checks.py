@@ -261,11 +261,13 @@ def derive_and_check(cfg: Config) -> None:
         # an RL step trains on every sample it rolled out: the global batch is prompts x group
         samples = v["PRESET_RL_PROMPTS_PER_STEP"] * v["PRESET_RL_GROUP_SIZE"]
         d["RL_SAMPLES_PER_STEP"] = Derived(samples, "PRESET_RL_PROMPTS_PER_STEP * PRESET_RL_GROUP_SIZE")
-        per_rank = samples // dp if dp else samples
-        if dp and (samples % dp or per_rank % min(v["PRESET_MICRO_BATCH_SIZE"], per_rank)):
+        m = max(1, v["PRESET_RL_MINIBATCHES"])
+        share = samples // (dp * m) if dp else samples      # one rank's samples in one update
+        if dp and (samples % (dp * m) or not share or share % min(v["PRESET_MICRO_BATCH_SIZE"], share)):
             errors.append(f"{samples} samples per RL step ({at(cfg, 'PRESET_RL_PROMPTS_PER_STEP')} x "
-                          f"{at(cfg, 'PRESET_RL_GROUP_SIZE')}) do not split into DP={dp} equal shares of whole "
-                          f"micro-batches of {at(cfg, 'PRESET_MICRO_BATCH_SIZE')}")
+                          f"{at(cfg, 'PRESET_RL_GROUP_SIZE')}) do not split into DP={dp} x "
+                          f"{at(cfg, 'PRESET_RL_MINIBATCHES')} equal shares of whole micro-batches of "
+                          f"{at(cfg, 'PRESET_MICRO_BATCH_SIZE')}")
     elif dp and v["PRESET_GLOBAL_BATCH_SIZE"] % (v["PRESET_MICRO_BATCH_SIZE"] * dp):
         errors.append(f"{at(cfg, 'PRESET_GLOBAL_BATCH_SIZE')} is not a multiple of "
                       f"MICRO_BATCH_SIZE*DP = {v['PRESET_MICRO_BATCH_SIZE']}*{dp}")

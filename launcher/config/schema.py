@@ -187,6 +187,8 @@ KEYS: list[Key] = [
        "power-of-two scales", ("full", "fp8")),
     _k("PRESET_RL_SYNC_BUCKET_MB", "int", 1024, "preset", "weight-sync bucket size (a weight and its scale stay together)"),
     _k("PRESET_RL_REPLAY", "bool", 1, "preset", "routing replay: the trainer routes tokens to the experts the rollout chose"),
+    _k("PRESET_RL_MINIBATCHES", "int", 1, "preset",
+       "optimizer updates per rollout, each on its share of the samples (PPO ratio against the policy before the first)"),
     _k("PRESET_RL_DEAD_STEPS", "int", 5, "preset",
        "stop after this many steps in a row with no group whose rewards differ (nothing to learn from)"),
     _k("PRESET_RL_REWARD_RISE", "float", 0.3, "preset",

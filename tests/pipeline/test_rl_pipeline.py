@@ -50,9 +50,11 @@ def test_rl_smoke_learns_and_passes_its_gates(work):
         assert all(m[k] == m[k] for k in ("loss", "grad_norm", "reward_mean", "sync_gb_s", "rollout_tokens_per_s"))
 
 
-def test_a_killed_rl_run_resumes_with_the_same_prompts_and_seeds(work):
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_a_killed_rl_run_resumes_with_the_same_prompts_and_seeds(work, minibatches):
+    """With two updates per rollout the checkpoints count updates (6 at step 3): the resume maps them back."""
     common = ("--set", "V4_EXECUTOR=local", "--set", "PRESET_NUM_STEPS=6", "--set", "PRESET_SAVE_INTERVAL=3",
-              "--set", "PRESET_GATES=finite_loss")
+              "--set", "PRESET_GATES=finite_loss", "--set", f"PRESET_RL_MINIBATCHES={minibatches}")
     whole = v4(work, "run", "--preset", "rl_smoke", "--json", *common)
     assert whole.returncode == 0, whole.stderr[-3000:]
     straight = metrics(Path(json.loads(whole.stdout)["run_dir"]))
@@ -64,6 +66,8 @@ def test_a_killed_rl_run_resumes_with_the_same_prompts_and_seeds(work):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = {m["step"]: m for m in metrics(run)}          # step 4 again (from checkpoint 3), then 5, 6
     assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    if minibatches > 1:
+        assert all(m["pg_clipfrac"] == m["pg_clipfrac"] for m in straight) and any(m["pg_clipfrac"] > 0 for m in straight)
     for s in (4, 5, 6):
         for key in ("reward_mean", "loss", "grad_norm", "response_len"):
             assert rows[s][key] == straight[s - 1][key], (s, key, rows[s][key], straight[s - 1][key])
