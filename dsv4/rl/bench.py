@@ -22,7 +22,6 @@ group, gloo on CPU / nccl on GPU, the sender a thread of this process). GB/s = b
 """
 from __future__ import annotations
 
-import socket
 import statistics
 import tempfile
 import threading
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4 import quant
+from dsv4.megatron.launch import free_port
 from dsv4.rl import decode, sync
 from dsv4.rl.engine import EmbeddedEngine
 
@@ -149,12 +149,6 @@ def bench_decode(engine: EmbeddedEngine, batches: list[int], prompt_len: int, st
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_sync(engine: EmbeddedEngine, paths: list[str], say=print) -> list[SyncRow]:
     model, dev, cfg = engine.model, engine.device, engine.cfg
     named = [(n, p.detach().clone()) for n, p in model.named_parameters() if not n.startswith("mtp.")]
@@ -194,7 +188,7 @@ def bench_sync(engine: EmbeddedEngine, paths: list[str], say=print) -> list[Sync
     if "distributed" in paths:
         # NCCL needs the sender on another GPU than the engine; with one GPU the bytes go through gloo
         backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
-        port = _free_port()
+        port = free_port()
         src = [t.to("cuda:1" if backend == "nccl" else "cpu") for _, t in named]
 
         def sender():

@@ -302,10 +302,8 @@ def _ok(res: dict) -> None:
 def _broadcast(engine, parts, version: str, address: str) -> None:
     """Rank 0 of a fresh group is this trainer; the engine's ranks follow from 1 (its call runs in a thread
     because joining blocks until every member is there, as SGLang's does)."""
-    import socket
-    with socket.socket() as s:
-        s.bind((address, 0))
-        port = s.getsockname()[1]
+    from dsv4.megatron.launch import free_port
+    port = free_port()
     from dsv4.rl.engine import EmbeddedEngine
     # NCCL between this process and an engine in another one (on its own GPUs); an engine in this process
     # shares the trainer's GPU, which one NCCL group cannot hold twice, so its bytes go through gloo
@@ -362,7 +360,7 @@ def _read_back(engine, weights: dict[str, torch.Tensor], fmt: str, probe: int = 
         got = torch.tensor(engine.get_weights_by_name(name, truncate_size=probe))
         want = p.detach().flatten()[:probe].float().cpu()
         err = (got - want).abs()
-        worst = max(worst, float(err.max()) if err.numel() else 0.0)
+        worst = _nanmax([worst, float(err.max()) if err.numel() else 0.0])
         if fmt == "full" or err.max() == 0:
             ok &= bool(err.max() == 0) if err.numel() else True
         else:
@@ -515,6 +513,11 @@ def _gather_stats(stats: list[dict], trainer: RLTrainer, ranks) -> tuple[list[di
     return merged, (float(counts[0] / counts[1]) if counts[1] > 0 else None)
 
 
+def _nanmax(values: list[float]) -> float:
+    """max that a NaN wins (Python's max keeps whichever comes first, so a NaN could pass a gate unseen)."""
+    return float(torch.tensor(values, dtype=torch.float64).max()) if values else float("nan")
+
+
 def _metrics_row(step, res, stats, rewards, live_groups, results, rollout_s, rep, agree, n, tc, step_s) -> dict:
     def tok_mean(key):
         toks = sum(s["tokens"] for s in stats)
@@ -525,7 +528,7 @@ def _metrics_row(step, res, stats, rewards, live_groups, results, rollout_s, rep
            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
            "live_groups": live_groups, "response_len": out_tokens / len(results),
            "logprob_diff_mean": tok_mean("train_rollout_logprob_abs_diff"),
-           "logprob_diff_max": max(s["train_rollout_logprob_abs_diff_max"] for s in stats),
+           "logprob_diff_max": _nanmax([s["train_rollout_logprob_abs_diff_max"] for s in stats]),
            "rollout_kl": tok_mean("train_rollout_kl"), "pg_clipfrac": tok_mean("pg_clipfrac"),
            "ppo_kl": tok_mean("ppo_kl"), "route_agree": agree,
            "rollout_s": rollout_s, "rollout_tokens_per_s": all_tokens / rollout_s,
@@ -537,8 +540,7 @@ def _metrics_row(step, res, stats, rewards, live_groups, results, rollout_s, rep
         row["kl"] = tok_mean("kl")
     if any("tis_mean" in s for s in stats):
         row["tis_mean"] = tok_mean("tis_mean")
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) and k == "route_agree" else v)
-            for k, v in row.items()}
+    return row
 
 
 def _reference_policy(trainer: RLTrainer, weights: dict[str, torch.Tensor], out: Outputs, start: int):

@@ -151,3 +151,39 @@ def test_a_cut_down_run_of_a_stage_is_not_a_pass_of_it(tmp_path):
     (run.dir / "steps/train/reload_check.json").write_text(json.dumps({"loss_continued": 2.5, "loss_reloaded": 2.5}))
     pipeline._gates(full, run, plan)
     assert passed_stages(full)["smoke"]["run_id"] == run.id
+
+
+def write_rl_run(tmp_path, rewards, diff=0.0, synced=True):
+    run = tmp_path / "rlrun"
+    run.mkdir(parents=True)
+    with open(run / "metrics.jsonl", "w") as f:
+        for i, r in enumerate(rewards):
+            f.write(json.dumps({"step": i + 1, "loss": 0.0, "grad_norm": 1.0, "reward_mean": r,
+                                "logprob_diff_max": diff if i == len(rewards) - 1 else 0.0,
+                                "weights_synced": synced, "sync_max_err": 0.0}) + "\n")
+    return run
+
+
+def rl_cfg(tmp_path):
+    return resolve(Selection(preset="rl_smoke", hw="cpu", sets=(f"V4_WORK={tmp_path}",)))
+
+
+RL_GATES = ["reward_rising", "logprob_match", "weights_synced"]
+
+
+def test_rl_gates_pass_on_a_rising_reward_and_matching_engine(tmp_path):
+    res = by_name(evaluate(RL_GATES, write_rl_run(tmp_path, [0.1] * 5 + [0.9] * 5), rl_cfg(tmp_path)))
+    assert all(r.passed for r in res.values()), res
+
+
+def test_rl_gates_fail_on_a_flat_reward_a_mismatch_nan_or_no_read_back(tmp_path):
+    c = rl_cfg(tmp_path)
+    assert not by_name(evaluate(RL_GATES, write_rl_run(tmp_path / "a", [0.5] * 10), c))["reward_rising"].passed
+    assert not by_name(evaluate(RL_GATES, write_rl_run(tmp_path / "b", [0.1] * 4), c))["reward_rising"].passed
+    nan = by_name(evaluate(RL_GATES, write_rl_run(tmp_path / "c", [0.1] * 5 + [float("nan")] * 5, diff=float("nan")), c))
+    assert not nan["reward_rising"].passed and not nan["logprob_match"].passed
+    assert not by_name(evaluate(RL_GATES, write_rl_run(tmp_path / "d", [0.1] * 10, diff=0.5), c))["logprob_match"].passed
+    unread = by_name(evaluate(RL_GATES, write_rl_run(tmp_path / "e", [0.1] * 10, synced=None), c))
+    assert not unread["weights_synced"].passed and "no read-back" in unread["weights_synced"].detail
+    off = by_name(evaluate(RL_GATES, write_rl_run(tmp_path / "f", [0.1] * 10, synced=False), c))
+    assert not off["weights_synced"].passed

@@ -2,7 +2,6 @@
 the training model computes for the same tokens, sampling is reproducible, and weight updates are atomic."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 from dsv4 import quant
+from dsv4.megatron.launch import free_port
 from dsv4.checkpoint import generate_checkpoint, official_to_hf
 from dsv4.config import ModelConfig
 from dsv4.model import Transformer
@@ -194,16 +194,10 @@ def test_pause_abort_ends_the_batch_in_flight():
     assert eng.health_generate()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_update_from_distributed_over_a_gloo_group():
     """The trainer side (rank 0) broadcasts from a thread of this process; the group is a real gloo group."""
     eng = EmbeddedEngine.from_preset("tiny", seed=0)
-    port = _free_port()
+    port = free_port()
     new = torch.randn_like(eng.model.head.weight)
     q, s = quant.weight_quant_fp8(eng.model.layers[0].attn.wkv.weight.detach() * 2)
 

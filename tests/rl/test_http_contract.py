@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from dsv4.rl import sync
+from dsv4.megatron.launch import free_port
 from dsv4.rl.api import GenerateRequest, RequestError, SamplingParams
 from dsv4.rl.engine import EmbeddedEngine
 from dsv4.rl.http import (ENDPOINT_FIELDS, FRONTEND, ROUTES, EngineHTTPError, HTTPEngine, RemoteRequestError,
@@ -326,12 +327,6 @@ def _req(prompt, n=4, logprob=True, routes=False, start=0, **sp):
                            return_routed_experts=routes, routed_experts_start_len=start)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- /generate against the schema ------------------------------------------------------------------------
 
 def test_schema_loads_from_the_wheel_with_only_msgspec(sgl):
@@ -429,7 +424,7 @@ def test_every_payload_the_client_sends_is_an_sglang_request(start, sgl, tmp_pat
     s = start()
     c = s.client
     name, p = "head.weight", dict(s.engine.model.named_parameters())["head.weight"]
-    port = _free_port()
+    port = free_port()
     answers = {
         # a one-rank group: the engine is rank 0 and hosts the store, so it forms at once
         "init": c.init_weights_update_group("127.0.0.1", port, 0, 1, group_name="g", backend="gloo"),
@@ -481,7 +476,7 @@ def test_broadcast_weight_update_over_http(start):
     s = start()
     params = dict(s.engine.model.named_parameters())
     new = {n: torch.randn_like(params[n]) for n in ("head.weight", "norm.weight")}
-    port = _free_port()
+    port = free_port()
     trainer = {}
     t = threading.Thread(target=lambda: trainer.update(g=sync.weight_group("127.0.0.1", port, 0, 2, "gloo", "w")))
     t.start()
@@ -719,7 +714,7 @@ def test_health_info_and_wait_healthy(start, sgl):
     assert json.loads(_raw(s.url + "/get_model_info")[2]) == s.client.model_info()
     # one log line per request: client, method, path, status, milliseconds
     assert any(re.fullmatch(r"127\.0\.0\.1 GET /server_info 200 \d+\.\d ms", line) for line in s.log), s.log
-    dead = HTTPEngine(f"http://127.0.0.1:{_free_port()}", timeout=1)
+    dead = HTTPEngine(f"http://127.0.0.1:{free_port()}", timeout=1)
     assert not dead.health()
     with pytest.raises(TimeoutError, match="not healthy"):
         dead.wait_healthy(0.5, interval=0.1)

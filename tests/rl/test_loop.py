@@ -102,3 +102,11 @@ def test_the_training_batch_aligns_with_the_rollout():
     assert (b["routes"][0, :4] == 7).all() and (b["routes"][1, :2] == 5).all()
     with pytest.raises(ValueError, match="sample 0"):
         build_batch(samples, results, torch.tensor([1.0, -1.0]), 3, cfg, replay=False)
+
+
+def test_the_metrics_max_lets_nan_through_in_any_order():
+    from dsv4.rl.loop import _nanmax
+    nan = float("nan")
+    assert _nanmax([0.0, nan]) != _nanmax([0.0, nan])          # NaN, whichever comes first
+    assert _nanmax([nan, 0.0]) != _nanmax([nan, 0.0])
+    assert _nanmax([1.0, 3.0, 2.0]) == 3.0

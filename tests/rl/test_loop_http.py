@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from dsv4.megatron.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -45,14 +46,8 @@ sys.exit(code)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")       # a pipe nobody reads would fill up
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "rl", "serve", "--model", "tiny", "--port", str(port)],
@@ -80,7 +75,7 @@ def second_server(tmp_path_factory):
 
 def _run(urls: list[str], path: str, tmp_path) -> list[dict]:
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(TRAINER), ",".join(urls), path, str(tmp_path),
-                        str(_free_port())], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                        str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads((tmp_path / "rows.json").read_text())

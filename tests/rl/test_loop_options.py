@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from dsv4.megatron.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -44,10 +45,7 @@ sys.exit(code)
 
 
 def test_kl_to_the_starting_policy_and_tis(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(TRAINER), str(tmp_path), str(port)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(TRAINER), str(tmp_path), str(free_port())], cwd=ROOT,
                        capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
