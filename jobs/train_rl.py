@@ -33,7 +33,9 @@ def rl_config(cfg: dict, task, scratch: Path):
         sync_format=cfg["PRESET_RL_SYNC_FORMAT"], bucket_mb=cfg["PRESET_RL_SYNC_BUCKET_MB"],
         replay=bool(cfg["PRESET_RL_REPLAY"]), minibatches=max(1, cfg["PRESET_RL_MINIBATCHES"]),
         dead_steps=cfg["PRESET_RL_DEAD_STEPS"], seed=cfg["PRESET_SEED"],
-        allowed_token_ids=task.allowed_token_ids, stop_token_ids=task.stop_token_ids, scratch=scratch)
+        allowed_token_ids=task.allowed_token_ids, stop_token_ids=task.stop_token_ids, scratch=scratch,
+        # rank 0 trains on the head: servers elsewhere join the weight-sync group there
+        sync_address=cfg["V4_MASTER_IP"] if cfg.get("V4_ROLLOUT_ENGINE") == "sglang" else "127.0.0.1")
 
 
 def sync_path(cfg: dict) -> str:
@@ -73,7 +75,6 @@ def rollout_engine(cfg: dict, tc, rl):
         urls = cfg.get("ROLLOUT_URLS") or []
         shape = (tc.model.n_layers, tc.model.n_activated_experts)
         gpus = int(cfg["V4_ROLLOUT_TP"]) * int(cfg["V4_ROLLOUT_DP"])      # each server's ranks in the sync group
-        rl.sync_address = cfg["V4_MASTER_IP"]
         engine = EngineGroup([HTTPEngine(u, routed_experts_shape=shape) for u in urls], [gpus] * len(urls))
         engine.wait_healthy(float(cfg.get("V4_ROLLOUT_HEALTH_TIMEOUT") or 300))
         return engine

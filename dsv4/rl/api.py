@@ -55,10 +55,6 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot serve right now (its memory is released); the HTTP server answers 503."""
 
 
-class StaleWeightsError(RuntimeError):
-    """A result came from weights other than the ones the caller expected."""
-
-
 def _check_type(name: str, value, typ) -> None:
     # bool is an int in Python; a JSON true for an int field is still a type error
     if isinstance(value, bool) and typ is not bool and bool not in (typ if isinstance(typ, tuple) else (typ,)):

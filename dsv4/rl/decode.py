@@ -136,18 +136,6 @@ class DecodeCache:
             lc.select(keep)
         self.batch = len(keep)
 
-    def nbytes(self) -> int:
-        def size(t):
-            return t.numel() * t.element_size()
-        total = 0
-        for lc in self.layers:
-            total += size(lc.kv)
-            if lc.pool is not None:
-                total += size(lc.pool.a) + size(lc.pool.g)
-            if lc.ratio == 4:
-                total += size(lc.index_pool.a) + size(lc.index_pool.g) + size(lc.index_keys)
-        return total
-
 
 def attend(attn: Attention, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor) -> torch.Tensor:
     """Attention.forward for one new position per sample, reading and extending the layer's cache.
