@@ -103,8 +103,8 @@ class SamplingParams:
         sp = cls(**out)
         if sp.max_new_tokens < 0:
             raise RequestError(f"{where}.max_new_tokens", f"must be >= 0, got {sp.max_new_tokens}")
-        if sp.temperature < 0:
-            raise RequestError(f"{where}.temperature", f"must be >= 0 (0 = greedy), got {sp.temperature}")
+        if not sp.temperature >= 0 or sp.temperature == float("inf"):   # written so that NaN is refused too
+            raise RequestError(f"{where}.temperature", f"must be a finite number >= 0 (0 = greedy), got {sp.temperature}")
         if not 0 < sp.top_p <= 1:
             raise RequestError(f"{where}.top_p", f"must be in (0, 1], got {sp.top_p}")
         if sp.top_k == 0 or sp.top_k < -1:

@@ -237,3 +237,11 @@ def test_a_reused_static_decoder_sees_each_weight_update():
             assert x.output_ids == y.output_ids and y.meta_info["weight_version"] == version
             assert (torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max().item() <= 1e-5
             assert (x.routed_experts == y.routed_experts).all()
+
+
+@pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                         ("temperature", -1.0), ("top_p", float("nan")), ("min_p", float("nan"))])
+def test_non_finite_or_negative_sampling_values_are_refused(field, value):
+    with pytest.raises(RequestError) as e:
+        SamplingParams.parse({field: value})
+    assert e.value.field == f"sampling_params.{field}"
