@@ -70,6 +70,9 @@ class ModelConfig:
     qat_indexer_fp4: bool = False        # QAT points 3+4: FP4 (1x32) on the indexer's Hadamard-rotated q and k
     fp8_gemm_inputs: bool = False        # FP8 linears: act 1x128 + weight 128x128 quant-dequant (straight-through)
     mxfp4_experts: bool = False          # routed-expert weights quant-dequant through MXFP4 (straight-through)
+    # RL with FP8 weight sync: every weight the sync sends as FP8 (the FP8- and FP4-stored linears) goes through the
+    # same 128x128 ue8m0 quant-dequant in the forward, so the trainer scores the weights the rollout samples with
+    qat_rollout_fp8: bool = False
     shared_expert_clamp: bool = True     # official clamps the shared expert's SwiGLU too; MILES training does not
     indexer_loss_coeff: float = 0.0      # weight of the KL indexer loss that trainers add (the model only reports it)
     seed: int = 0                        # deterministic initialisation

@@ -280,15 +280,18 @@ class Linear(nn.Module):
         self.qat_input: str | None = None
         self.qat_weight: str | None = None
 
+    def qat_weight_value(self) -> torch.Tensor:
+        """The weight through its QAT point (what a caller that reads the weight itself, like wo_a's einsum, uses)."""
+        if self.qat_weight == "fp8":
+            return quant.fp8_weight_qdq(self.weight)
+        if self.qat_weight == "fp4":
+            return quant.mxfp4_weight_qdq(self.weight)
+        return self.weight
+
     def forward(self, x):
-        w = self.weight
         if self.qat_input == "fp8":
             x = quant.fp8_act_qdq(x, 128)
-        if self.qat_weight == "fp8":
-            w = quant.fp8_weight_qdq(w)
-        elif self.qat_weight == "fp4":
-            w = quant.mxfp4_weight_qdq(w)
-        return F.linear(x, w.to(x.dtype))
+        return F.linear(x, self.qat_weight_value().to(x.dtype))
 
 
 class Compressor(nn.Module):
@@ -414,7 +417,7 @@ class Attention(nn.Module):
             self.indexer_loss = indexer_kl_loss(index_logits, cmp_idx, q.detach(), kv_all[:, S:].detach(),
                                                 lse, self.softmax_scale)
         o = rope_tail(o, cos, sin, inverse=True)                        # V carried rope: de-rotate at the query
-        return self.wo_b(grouped_output(o, self.wo_a.weight, cfg.o_groups))
+        return self.wo_b(grouped_output(o, self.wo_a.qat_weight_value(), cfg.o_groups))
 
 
 class Gate(nn.Module):
@@ -593,14 +596,18 @@ class Transformer(nn.Module):
 def set_qat_points(root: nn.Module, cfg: ModelConfig) -> None:
     """Set each Linear's QAT points from the release format of its weight (found by its official name under
     `root`): FP8-stored weights get the FP8 points when cfg.fp8_gemm_inputs, FP4-stored experts the MXFP4 weight
-    point when cfg.mxfp4_experts. The megatron stages call this too, so the flags mean the same in training."""
+    point when cfg.mxfp4_experts; with cfg.qat_rollout_fp8 every one of them gets the FP8 weight point, the FP8
+    the RL sync sends. The megatron stages call this too, so the flags mean the same in training."""
     for name, mod in root.named_modules():
         if isinstance(mod, Linear):
             fmt = cfg.storage_format(name + ".weight")
-            if fmt in ("fp8", "fp4") and name != "head" and not name.endswith("wo_a"):   # wo_a: read in an einsum
-                mod.qat_input = "fp8" if cfg.fp8_gemm_inputs else None
+            if fmt in ("fp8", "fp4") and name != "head":
+                # wo_a is read in an einsum, not through forward(): its input is never quantised
+                mod.qat_input = "fp8" if cfg.fp8_gemm_inputs and not name.endswith("wo_a") else None
                 mod.qat_weight = fmt if (fmt == "fp8" and cfg.fp8_gemm_inputs) or \
                     (fmt == "fp4" and cfg.mxfp4_experts) else None
+                if cfg.qat_rollout_fp8:
+                    mod.qat_weight = "fp8"
 
 
 # =============================================================================================== init

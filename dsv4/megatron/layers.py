@@ -147,7 +147,7 @@ class ParallelAttention(nn.Module):
         idx = idx.int().contiguous()
         o = ref.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale, impl=cfg.attn_impl)
         o = ref.rope_tail(o, cos, sin, inverse=True)
-        out = sp_reduce_scatter(self.wo_b(ref.grouped_output(o, self.wo_a.weight, self.n_local_groups)))
+        out = sp_reduce_scatter(self.wo_b(ref.grouped_output(o, self.wo_a.qat_weight_value(), self.n_local_groups)))
         if aux_weight is not None and index_logits is not None and cmp_idx.shape[-1] > 0:   # as dsv4.model
             out = AttachAuxLoss.apply(out, self.indexer_loss(q, kv_all, idx, cmp_idx, index_logits, S), aux_weight)
         return out

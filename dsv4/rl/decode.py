@@ -180,7 +180,7 @@ def attend(attn: Attention, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor) 
         idx = torch.cat([idx, idx_c], dim=-1)
     o = sparse_attn(q, lc.kv, attn.attn_sink, idx.int().contiguous(), attn.softmax_scale, impl=cfg.attn_impl)
     o = rope_tail(o, cos, sin, inverse=True)
-    return attn.wo_b(grouped_output(o, attn.wo_a.weight, cfg.o_groups))
+    return attn.wo_b(grouped_output(o, attn.wo_a.qat_weight_value(), cfg.o_groups))
 
 
 def moe(ffn: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -375,7 +375,12 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
     """tc.num_steps // rl.minibatches GRPO steps (resuming from out.checkpoints). Returns 0, 1 (no learning
     signal) or 16.
     Every rank calls it; rank 0 holds the engine (None elsewhere), rolls out, scores, syncs and writes metrics,
-    and hands each step's batch to all ranks, each of which trains on its data-parallel share."""
+    and hands each step's batch to all ranks, each of which trains on its data-parallel share.
+    With FP8 sync the trainer's forward goes through the same FP8 quantisation (ModelConfig.qat_rollout_fp8): the
+    policy it scores and updates is the one the engine samples with, as miles trains FP8 rollouts. The engine,
+    whose weights all arrive through the sync, needs no such point."""
+    if rl.sync_format == "fp8":
+        tc = replace(tc, model=tc.model.with_overrides(qat_rollout_fp8=True))
     trainer = RLTrainer(tc, rl, init=None)
     ranks = trainer.ranks
     lead = ranks.rank == 0
@@ -455,7 +460,6 @@ def _mean_result(results: list):
     """One step's figures from its updates: mean loss and gradient norm, the last learning rate, the total time."""
     if len(results) == 1:
         return results[0]
-    from dataclasses import replace
     last = results[-1]
     return replace(last, loss=sum(r.loss for r in results) / len(results),
                    grad_norm=sum(r.grad_norm for r in results) / len(results),

@@ -29,7 +29,7 @@ from launcher.errors import CLUSTER_FAILED, ClusterError, JobError
 from launcher.nodes import LocalNode
 
 ROOT = Path(__file__).resolve().parents[2]
-BF16 = "/data_fast_v3/v4-sft/models/generated/4layer-s1234/bf16"     # rl_smoke's generated checkpoint on h20_8node
+BF16 = "/data_fast_v3/v4-sft/models/generated/4layer-3f7cb46f-s1234/bf16"     # rl_smoke's (8 experts) generated checkpoint on h20_8node
 
 
 def h20(**sets) -> object:

@@ -57,6 +57,26 @@ def test_fp8_sync_is_within_its_bound_and_the_check_can_fail():
     assert _read_back(engine, weights_of(trainer), "full")[1] is False
 
 
+def test_the_trainer_through_fp8_qat_computes_what_the_fp8_engine_computes():
+    """With FP8 sync the engine holds dequantised FP8 weights; the trainer's qat_rollout_fp8 forward (run_grpo turns
+    it on for FP8 sync) quant-dequantises the same tensors the same way, so both produce the same logits. Without
+    it the two differ by the quantisation error: the point is needed."""
+    cfg = ModelConfig.preset("tiny", seed=9, dtype="fp32")
+    trainer = Transformer(cfg)
+    engine = EmbeddedEngine(Transformer(cfg.with_overrides(seed=0)))
+    push_weights(engine, weights_of(trainer), cfg, RLConfig(sync_format="fp8"), "1")
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        served = engine.model(ids).logits
+        plain = trainer(ids).logits
+        qat = Transformer(cfg.with_overrides(qat_rollout_fp8=True), init=False)
+        qat.load_state_dict(trainer.state_dict())
+        through = qat(ids).logits
+    assert torch.isfinite(served).all() and torch.isfinite(through).all()
+    assert (through - served).abs().max() <= 1e-5
+    assert (plain - served).abs().max() > 1e-3
+
+
 def test_fp8_covers_exactly_the_release_fp8_and_fp4_weights():
     cfg = ModelConfig.preset("tiny")
     named = dict(sync_tensors(weights_of(Transformer(cfg)), cfg, "fp8"))
