@@ -8,9 +8,10 @@ world starts one Ray actor per rank (dsv4.megatron.launch). Writes:
   DIR/checkpoints/iter_NNNNNNN/        megatron distributed checkpoints (+ latest_checkpointed_iteration.txt)
   DIR/steps/train/reload_check.json    save -> reload -> next-step losses (the smoke gate reads it)
   DIR/steps/train/nonfinite.json       step, rank and first module of a non-finite loss/gradient
+  DIR/steps/train/nan_capture.json     what `v4 nan bisect` needs to replay that step (docs/nan.md)
 Exit codes: 0 done, 1 failed, 2 bad configuration, 16 non-finite loss or gradient.
 A re-run continues from the latest checkpoint; a finished run (sentinel present) is skipped.
-Test hooks (environment): V4_PLANT_NAN="MODULE:STEP[:forward|backward]", V4_KILL_AT_STEP=N.
+Test hooks (environment): V4_PLANT_NAN="MODULE:STEP[:forward|backward][@COND,...]", V4_KILL_AT_STEP=N.
 """
 from __future__ import annotations
 

@@ -351,7 +351,8 @@ def _job(cfg, run, step: Step, jobs, resume_cmd: str = "") -> None:
         where = json.loads(nf.read_text()) if nf.is_file() else {}
         raise NonFiniteError(f"{step.name}: non-finite loss/gradient at step {where.get('step', '?')}, rank "
                              f"{where.get('rank', '?')}, first module {where.get('module', '?')}",
-                             fix=f"see {nf}; bisect with `v4 nan bisect-kernel` if a kernel is suspected")
+                             fix=f"see {nf}; find the cause (replays the step, switch by switch): "
+                                 f"{' '.join(['v4 nan bisect', run.id, *config_flags(cfg)])}")
     if outcome.exit_code == TIMEOUT or outcome.status == "TIMEOUT":
         raise Timeout(f"{step.name}: no result within {step.job.timeout_s:.0f} s (PRESET_JOB_TIMEOUT)")
     raise JobError(f"{step.name}: job {outcome.status} (exit code {outcome.exit_code})\n    {tail}",

@@ -32,6 +32,7 @@ from dsv4.config import ModelConfig
 from dsv4.fileio import atomic_write
 from dsv4.megatron import cpu_shim
 from dsv4.megatron.model import DSV4Stage, Objective, model_provider
+from dsv4.megatron.nanwatch import NonFiniteMonitor, PlantSpec, run_facts
 from dsv4.megatron.parallel import Layout, Ranks, shard_index
 
 EXIT_NONFINITE = 16
@@ -181,121 +182,6 @@ def peak_memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # Linux: KiB
 
 
-# ================================================================================================ non-finite monitor
-@dataclass
-class PlantSpec:
-    """A test hook: make `module`'s output (or its gradient) NaN at optimizer step `step`.
-    From V4_PLANT_NAN="MODULE:STEP[:forward|backward]", e.g. "layers.1.attn:3"."""
-    module: str
-    step: int
-    phase: str = "forward"
-
-    @classmethod
-    def from_env(cls) -> "PlantSpec | None":
-        spec = os.environ.get("V4_PLANT_NAN", "").strip()
-        if not spec:
-            return None
-        parts = spec.split(":")
-        if len(parts) not in (2, 3) or not parts[1].isdigit() or (len(parts) == 3 and parts[2] not in ("forward", "backward")):
-            raise ValueError(f"V4_PLANT_NAN={spec!r}: expected MODULE:STEP[:forward|backward], e.g. layers.1.attn:3")
-        return cls(parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "forward")
-
-
-class NonFiniteMonitor:
-    """Finds the first module whose output (forward) or gradient (backward) is not finite.
-
-    Each module's forward hook appends the module name to a per-step list and folds "is this output
-    non-finite?" into one running-minimum tensor (no host sync per module); a hook on the output
-    tensor and one on each parameter do the same for gradients. After the step one `.item()` per
-    phase tells which event came first."""
-
-    BIG = 1 << 62
-
-    def __init__(self, stage: DSV4Stage, enabled: bool, plant: PlantSpec | None):
-        self.enabled, self.plant, self.step_no = enabled, plant, 0
-        self.handles = []
-        self.reset()
-        mods = dict(stage.named_modules())
-        if plant and plant.module not in mods and plant.module != "" and self._plant_here(stage, plant.module):
-            raise ValueError(f"V4_PLANT_NAN: no module named {plant.module!r}; names look like "
-                             f"'layers.1.attn', 'layers.0.ffn.experts.3.w1', 'head'")
-        for name, mod in mods.items():
-            if not name:
-                continue
-            if plant and name == plant.module:
-                self.handles.append(mod.register_forward_hook(self._planter(name)))
-            if enabled:
-                self.handles.append(mod.register_forward_hook(self._forward_hook(name)))
-        if enabled:
-            for name, p in stage.named_parameters():
-                if p.requires_grad:
-                    self.handles.append(p.register_hook(self._grad_hook(name.rsplit(".", 1)[0] or name, "param_grad")))
-
-    @staticmethod
-    def _plant_here(stage, module: str) -> bool:
-        """Whether this rank should hold `module` (a layer on another pipeline stage is not an error)."""
-        if module.startswith("layers."):
-            return module.split(".")[1] in stage.layers
-        if module.startswith(("mtp.", "head", "norm")):
-            return stage.ranks.last_stage
-        if module.startswith("embed"):
-            return stage.ranks.first_stage
-        return True
-
-    def reset(self) -> None:
-        self.events: dict[str, list[tuple[str, str]]] = {"forward": [], "backward": []}
-        self.first = {"forward": None, "backward": None}
-
-    def _record(self, phase: str, name: str, kind: str, tensors, neg_inf_ok: bool = False) -> None:
-        bad = None
-        for t in tensors:
-            if torch.is_tensor(t) and t.is_floating_point():
-                b = (torch.isnan(t) | torch.isposinf(t)).any() if neg_inf_ok else ~torch.isfinite(t).all()
-                bad = b if bad is None else bad | b
-        if bad is None:
-            return
-        seq = len(self.events[phase])
-        self.events[phase].append((name, kind))
-        hit = torch.where(bad, seq, self.BIG)
-        self.first[phase] = hit if self.first[phase] is None else torch.minimum(self.first[phase], hit)
-
-    def _forward_hook(self, name: str):
-        def hook(mod, args, out):
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            # modules whose output carries -inf by design (masked scores) mark themselves
-            self._record("forward", name, "output", outs, getattr(mod, "masked_logits_output", False))
-            for t in outs:
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(self._grad_hook(name, "grad_output"))
-        return hook
-
-    def _grad_hook(self, name: str, kind: str):
-        def hook(grad):
-            self._record("backward", name, kind, (grad,))
-        return hook
-
-    def _planter(self, name: str):
-        def hook(mod, args, out):
-            if self.step_no != self.plant.step or not torch.is_tensor(out):
-                return None
-            if self.plant.phase == "forward":
-                return out + float("nan")
-            if out.requires_grad:
-                out.register_hook(lambda g: g + float("nan"))
-            return None
-        return hook
-
-    def first_event(self, phase: str) -> tuple[int, str, str] | None:
-        f = self.first[phase]
-        if f is None:
-            return None
-        seq = int(f.item())
-        if seq >= self.BIG:
-            return None
-        name, kind = self.events[phase][seq]
-        return seq, name, kind
-
-
 # ================================================================================================ trainer
 @dataclass
 class StepResult:
@@ -354,7 +240,8 @@ class Trainer:
             self.optimizer, init_lr=0.0 if tc.lr_warmup_iters else tc.lr, max_lr=tc.lr, min_lr=tc.min_lr,
             lr_warmup_steps=tc.lr_warmup_iters, lr_decay_steps=decay_steps, lr_decay_style=tc.lr_decay_style,
             start_wd=tc.weight_decay, end_wd=tc.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
-        self.monitor = NonFiniteMonitor(stage, tc.nonfinite_hooks, PlantSpec.from_env())
+        self.monitor = NonFiniteMonitor(stage, tc.nonfinite_hooks, PlantSpec.from_env(),
+                                        run_facts(cfg, tc.layout, tc.recompute, self.ranks.world))
         self.iteration = 0
 
     # ---------------------------------------------------------------------------------- one step
@@ -373,6 +260,7 @@ class Trainer:
         dev = self.tc.device
         tokens, loss_mask = mb["tokens"].to(dev), mb["loss_mask"].to(dev).float()
         ids, labels = tokens[:, :-1], tokens[:, 1:]
+        self.monitor.tokens = ids
         n_tokens = loss_mask.sum()
         obj, stage = self.tc.objective, self.stage
         aux = None
@@ -621,7 +509,7 @@ def run_sft(tc: TrainConfig, step_batches: Callable[[int, int, int], Iterator[di
             os.kill(os.getpid(), signal.SIGKILL)
         res = trainer.step(micro)
         if not res.finite:
-            return _stop_nonfinite(trainer, res, out, say)
+            return _stop_nonfinite(trainer, res, out, say, micro)
         peak = torch.tensor([peak_memory_gb(tc.device)], device=trainer._comm_device())
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         row = {"step": step, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
@@ -661,15 +549,39 @@ def _restore(trainer: Trainer, out: Outputs, say) -> int:
     return 0
 
 
-def _stop_nonfinite(trainer: Trainer, res: StepResult, out: Outputs, say) -> int:
+def _stop_nonfinite(trainer: Trainer, res: StepResult, out: Outputs, say, micro: list[dict] | None = None) -> int:
+    """Name the first non-finite module (nonfinite.json), keep what a replay of the step needs, exit 16.
+    The capture costs nothing until a step fails: the weights the failing step started from (the update was
+    skipped, so they are the trainer's now) as a checkpoint unless the latest one is them, and each data-parallel
+    rank's rows of the step by content hash, so that `v4 nan bisect` can check it replays the same data."""
     info = res.nonfinite
     where = f"module {info['module']!r} ({info['phase']} {info['kind']})" if info["module"] else info["kind"]
     say(f"error: non-finite loss or gradient at step {info['step']} (loss {res.loss}); first at {where} "
         f"on rank {info['rank']}; stopping with exit code {EXIT_NONFINITE}")
+    capture = None
+    if out.nonfinite is not None:
+        latest = latest_checkpoint(out.checkpoints)
+        ckpt = latest if latest is not None and latest.name == f"iter_{trainer.iteration:07d}" \
+            else trainer.save(out.checkpoints)
+        rows = [row_hash(t) for mb in (micro or []) for t in mb["tokens"]]
+        everyone = [None] * trainer.ranks.world
+        dist.all_gather_object(everyone, {"rank": trainer.ranks.rank, "dp_rank": trainer.ranks.dp_rank, "rows": rows})
+        capture = {"step": info["step"], "checkpoint": str(ckpt), "iteration": trainer.iteration,
+                   "rows_by_dp_rank": {str(r["dp_rank"]): r["rows"] for r in everyone},
+                   "micro_batch_size": trainer.tc.micro_batch_size, "plant": os.environ.get("V4_PLANT_NAN", "")}
     if trainer.ranks.rank == 0 and out.nonfinite is not None:
         atomic_write(out.nonfinite, json.dumps(info, indent=2, default=str))
+        atomic_write(out.nonfinite.with_name("nan_capture.json"), json.dumps(capture, indent=2))
+        say(f"kept the step for a replay: {ckpt} and {out.nonfinite.with_name('nan_capture.json')}; "
+            f"next: v4 nan bisect {out.nonfinite.parents[2].name}")
     dist.barrier()
     return EXIT_NONFINITE
+
+
+def row_hash(tokens: torch.Tensor) -> str:
+    """A sample's identity across replays: the hash of its token ids."""
+    import hashlib
+    return hashlib.sha1(tokens.detach().to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def reload_check(trainer: Trainer, tc: TrainConfig, ckpt: Path, batch: dict, out: Outputs, say) -> int:

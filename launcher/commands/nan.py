@@ -1,11 +1,15 @@
-"""`v4 nan ...`: NaN triage. `bisect-kernel` names the TileLang pass-config setting (and the smallest shape)
-that turns a kernel's outputs non-finite or wrong. Nothing heavy is imported until a command runs."""
+"""`v4 nan ...`: NaN triage. `bisect` replays a run's non-finite step and walks a ladder of switches to the one
+that cures it (launcher/nanbisect.py); `bisect-kernel` names the TileLang pass-config setting (and the smallest
+shape) that turns a kernel's outputs non-finite or wrong. Nothing heavy is imported until a command runs."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import click
+
+from launcher.cli_options import config_options, load_config
 
 
 @click.group()
@@ -57,3 +61,42 @@ def bisect_kernel(kernel, source, reference, shape, overrides, tol, timeout, out
                    if report.culprit else report.culprit_note)
         click.echo(verdict)
     click.echo(f"report: {mpath} and {jpath}", err=True)
+
+
+@nan.command("bisect")
+@config_options()
+@click.argument("run_ref", metavar="RUN")
+@click.option("--parallel", default=0, show_default="as many as fit",
+              help="rungs at a time (each needs the run's GPUs, or CPUs on a CPU run)")
+@click.option("--timeout", default=1800.0, show_default=True, help="seconds per rung before it counts as failed")
+@click.option("--no-kernel", is_flag=True, help="stop at the switch; do not hand a kernel culprit to bisect-kernel")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="report directory [RUN/nan-bisect]")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON on stdout")
+def bisect_run(selection, run_ref, parallel, timeout, no_kernel, out_dir, as_json):
+    """Replay RUN's non-finite step from its capture and walk the ladder of switches (TileLang -> torch, FP8
+    off, fp32, recompute off, one process, the sample removed) to the smallest set that cures it.
+    RUN: id, unique prefix, or `latest`. Exit codes: 0 culprit named, 1 not reproduced or nothing cures it,
+    2 no capture in RUN."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from launcher import nanbisect, registry
+    cfg = load_config(selection)
+    run = registry.find_run(cfg, run_ref)
+    out = Path(out_dir) if out_dir else run.dir / "nan-bisect"
+    try:
+        report = nanbisect.bisect(run.dir, out, parallel=parallel, timeout=timeout, kernel=not no_kernel,
+                                  log=lambda m: click.echo(m, err=True))
+    except FileNotFoundError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(nanbisect.USAGE)
+    jpath, mpath = nanbisect.write_report(report, out)
+    if as_json:
+        click.echo(json.dumps(asdict(report), indent=2, default=str))
+    else:
+        click.echo(report.verdict)
+        if report.kernel:
+            k = report.kernel
+            click.echo(f"kernel: {k.get('verdict') if k['ran'] else k['note']}")
+    click.echo(f"report: {mpath} and {jpath}", err=True)
+    sys.exit(report.exit_code)

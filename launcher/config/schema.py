@@ -171,7 +171,8 @@ KEYS: list[Key] = [
     _k("PRESET_MTP_LOSS_COEFF", "float", 0, "preset", "weight of the MTP blocks' loss (0: MTP neither runs nor trains)"),
     _k("PRESET_SEED", "int", 1234, "preset", "seed for weights, data order and dropout"),
     _k("PRESET_STRICT_PREFLIGHT", "bool", 0, "preset", "treat preflight WARN as FAIL"),
-    _k("PRESET_PLANT_NAN", "str", "", "preset", "fault injection for tests: MODULE:STEP makes that module's output NaN at that step"),
+    _k("PRESET_PLANT_NAN", "str", "", "preset", "fault injection for tests: MODULE:STEP[:forward|backward][@COND,...] makes that module's output NaN at "
+       "that step (docs/nan.md)"),
     _k("PRESET_JOB_TIMEOUT", "float", 3600, "preset", "seconds a pipeline step may run before it is stopped"),
     # --- RL (PRESET_MODE=rl; docs/rl.md) ----------------------------------------------------------
     _k("PRESET_RL_TASK", "str", "echo", "preset", "prompts and reward: echo, copy, math (dsv4/rl/tasks.py)"),

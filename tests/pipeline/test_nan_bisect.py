@@ -1,0 +1,139 @@
+"""The staged NaN bisect end to end on CPU: `v4 run --preset smoke` with a fault planted under a condition stops
+with exit 16 and keeps its capture; `v4 nan bisect RUN` replays the step from it and names the switch that cures
+it. The faults are planted (dsv4/megatron/nanwatch.py PlantSpec) because a real one cannot be summoned on demand;
+what finds them (the replay job, the forensics hooks, the ladder) is the real code on real megatron-core runs.
+The TileLang-only fault needs a GPU (tests/pipeline/test_nan_bisect_gpu.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4.megatron.nanwatch import PlantSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def v4(work: Path, *args, timeout=600):
+    cmd = [sys.executable, "-m", "launcher", *args, "--hw", "cpu", "--set", f"V4_WORK={work}"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
+def planted_run(work: Path, plant: str, *sets: str) -> Path:
+    """A smoke run that dies of `plant` at step 3 -> its directory."""
+    args = ["run", "--preset", "smoke", "--force", "--set", "V4_EXECUTOR=local", "--set", f"PRESET_PLANT_NAN={plant}"]
+    for s in sets:
+        args += ["--set", s]
+    r = v4(work, *args)
+    assert r.returncode == 16, r.stderr[-3000:]
+    assert "v4 nan bisect stageA-" in r.stderr                # the failure names the next command
+    run = max((work / "runs").glob("stageA-*"), key=lambda p: p.stat().st_mtime)
+    cap = json.loads((run / "steps/train/nan_capture.json").read_text())
+    assert cap["step"] == 3 and Path(cap["checkpoint"]).name == "iter_0000002"
+    return run
+
+
+def bisect(work: Path, run: Path):
+    r = v4(work, "nan", "bisect", run.name, "--json")
+    report = json.loads(r.stdout) if r.stdout.strip() else None
+    return r, report
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("nan")
+
+
+def test_plant_spec_conditions():
+    p = PlantSpec.parse("layers.1.attn:3:backward@impl=tilelang,tp>1")
+    assert (p.module, p.step, p.phase, p.when) == ("layers.1.attn", 3, "backward", ("impl=tilelang", "tp>1"))
+    facts = {"impl": "tilelang", "fp8": False, "bf16": True, "recompute": False, "tp": 2, "ep": 1, "pp": 1, "world": 2}
+    assert p.holds(facts) and not p.holds({**facts, "tp": 1}) and not p.holds({**facts, "impl": "torch"})
+    assert PlantSpec.parse("embed:1@token=77").token == 77
+    for bad in ("layers.1.attn", "layers.1.attn:x", "layers.1.attn:3:sideways", "layers.1.attn:3@gpu"):
+        with pytest.raises(ValueError, match="MODULE:STEP"):
+            PlantSpec.parse(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant, sets, culprit", [
+    ("layers.1.attn:3@fp8", ("PRESET_MODEL_OVERRIDES=fp8_gemm_inputs=1",), "fp8_off"),
+    ("layers.1.ffn:3@bf16", ("PRESET_MODEL_OVERRIDES=dtype=bf16",), "fp32"),
+    ("layers.2.ffn.shared_experts.w2:3:backward@tp>1",
+     ("V4_NUM_GPUS_PER_NODE=2", "PRESET_TP=2", "PRESET_EP=1"), "layout_1"),
+], ids=["fp8", "bf16", "tp2"])
+def test_the_ladder_names_the_switch(work, plant, sets, culprit):
+    run = planted_run(work, plant, *sets)
+    r, report = bisect(work, run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert report["reproduced"] and report["culprit"] == [culprit], report["verdict"]
+    assert f"culprit: {culprit}" in report["verdict"]
+    module = plant.split(":")[0]
+    phase = "backward" if ":backward" in plant else "forward"
+    ev = report["forensics"][phase]
+    assert ev["module"] == module and ev["micro_batch"] == 0
+    if phase == "forward":
+        assert ev["kind"] == "output" and ev["output"]["nan"] > 0
+        assert all(d["bad"] == 0 for d in ev["inputs"])        # the module made the NaN: its inputs were finite
+    rungs = {g["name"]: g for g in report["rungs"]}
+    assert rungs["reproduce"]["finite"] is False and rungs[culprit]["finite"] is True
+    assert all(g["result"]["data_matches_capture"] for g in rungs.values())
+    assert (run / "nan-bisect" / "report.md").read_text().startswith(f"# NaN bisect of {run.name}, step 3")
+
+
+@pytest.mark.slow
+def test_a_poisoned_sample_is_named_and_reproduces_alone(work):
+    """The fault fires only on rows holding one token: the ladder finds the row, removing it cures, alone it fails."""
+    clean = planted_run(work, "layers.1.attn:3@fp8", "PRESET_MODEL_OVERRIDES=fp8_gemm_inputs=1")
+    token, row = _token_in_one_row(clean)
+    run = planted_run(work, f"layers.1.attn:3@token={token}")
+    r, report = bisect(work, run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert report["culprit"] == ["sample"] and report["sample"]["global_row"] == row
+    assert report["sample"]["alone_reproduces"] is True
+    assert f"the sample at row {row} of step 3" in report["verdict"]
+
+
+@pytest.mark.slow
+def test_a_fault_no_switch_cures_and_one_that_does_not_replay(work):
+    run = planted_run(work, "layers.1.attn:3")
+    r, report = bisect(work, run)
+    assert r.returncode == 1 and report["reproduced"] and not report["culprit"]
+    assert "no switch cures it" in report["verdict"]
+    # the same capture without the fault: the replay is finite, and the report says it could not reproduce
+    cfg_path = run / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["values"]["PRESET_PLANT_NAN"] = ""
+    cfg_path.write_text(json.dumps(cfg))
+    r, report = bisect(work, run)
+    assert r.returncode == 1 and not report["reproduced"] and report["verdict"].startswith("not reproduced")
+
+
+@pytest.mark.slow
+def test_a_run_without_a_capture_is_a_usage_error(work):
+    r = v4(work, "run", "--preset", "smoke", "--force", "--set", "V4_EXECUTOR=local", "--set", "PRESET_NUM_STEPS=2",
+           "--set", "PRESET_GATES=finite_loss")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = max((work / "runs").glob("stageA-*"), key=lambda p: p.stat().st_mtime)
+    r, _ = bisect(work, run)
+    assert r.returncode == 2 and "nan_capture.json not found" in r.stderr
+
+
+def _token_in_one_row(run: Path) -> tuple[int, int]:
+    """A token that occurs in exactly one row of the captured step (the step's batch as the replay rebuilds it)."""
+    from jobs.common import RunContext
+    from jobs.train_sft import DATA_SEED_OFFSET, SFTData, tokenizer_dirs
+    cfg = RunContext.load(run).cfg
+    data = SFTData(str(RunContext.load(run).paths.sft_data), tokenizer_dirs(cfg), cfg["PRESET_SEQ_LEN"],
+                   cfg["PRESET_SEED"] + DATA_SEED_OFFSET)
+    batch = next(data.step_batches(cfg["PRESET_GLOBAL_BATCH_SIZE"])(0, 1, 2))
+    ids = batch["tokens"][:, :-1]
+    for t in ids.flatten().unique().tolist():
+        rows = (ids == t).any(-1).nonzero().flatten().tolist()
+        if len(rows) == 1:
+            return int(t), rows[0]
+    pytest.skip("no token occurs in exactly one row of step 3")
