@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -26,6 +27,21 @@ COMMANDS = {
 class LazyGroup(click.Group):
     def list_commands(self, ctx):
         return list(COMMANDS)
+
+    def resolve_command(self, ctx, args):
+        # click suggests from self.commands, which a lazy group leaves empty
+        if args and args[0] not in COMMANDS and not args[0].startswith("-"):
+            raise click.exceptions.NoSuchCommand(args[0], possibilities=list(COMMANDS), ctx=ctx)
+        return super().resolve_command(ctx, args)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            # the reader closed the pipe (`v4 config keys | head`): it has what it wanted, so exit 0 (click would
+            # exit 1). stdout goes to devnull so that the interpreter's final flush does not fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise click.exceptions.Exit(0) from None
 
     def get_command(self, ctx, name):
         target = COMMANDS.get(name)

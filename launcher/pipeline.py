@@ -106,18 +106,33 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
             _check_not_stopped(run, resume_cmd)
     except V4Error as e:
         run.finish("failed", error=e.message, code=e.code)
-        say(f"\nrun {plan.run_id} {'STOPPED' if run.stopped else 'FAILED'} after {time.time() - t0:.0f} s: {e.message}")
+        status = "stopped" if run.stopped else "failed"
+        say(f"\nrun {plan.run_id} {status.upper()} after {time.time() - t0:.0f} s: {e.message}")
         say(f"  logs:   {runs_command(cfg, 'logs', plan.run_id)}")
         say(f"  resume: {resume_cmd}")
+        if as_json:
+            _print_failure(run, plan, status, e.code, e.message, e.fix, time.time() - t0, resume_cmd)
+            e.reported = True
         raise
     except BaseException as e:
-        # a bug, Ctrl-C or SIGTERM: the run must not stay "running" in the registry
-        what = "interrupted" if isinstance(e, KeyboardInterrupt) else type(e).__name__
-        run.finish("failed", error=f"{what}: {e}" if str(e) else what, code=1)
-        if isinstance(e, KeyboardInterrupt) and cfg["V4_EXECUTOR"] == "ray":
+        # a bug, Ctrl-C or SIGTERM: the run must not stay "running" in the registry, nor its step
+        interrupted = isinstance(e, KeyboardInterrupt)
+        what = "interrupted" if interrupted else type(e).__name__
+        code = 130 if interrupted else 1
+        for s in run.steps():
+            if s.get("status") == "running":
+                run.set_step(s["name"], "interrupted" if interrupted else "failed")
+        run.finish("failed", error=f"{what}: {e}" if str(e) else what, code=code)
+        if interrupted and cfg["V4_EXECUTOR"] == "ray":
             say(f"\nrun {plan.run_id} interrupted; a running Ray job keeps running (as with `ray job submit`):")
             say(f"  stop it: {runs_command(cfg, 'stop', plan.run_id)}")
             say(f"  or follow it again: {resume_cmd}")
+        elif interrupted:
+            say(f"\nrun {plan.run_id} interrupted; its local processes were stopped")
+            say(f"  resume: {resume_cmd}")
+        if as_json:
+            _print_failure(run, plan, "interrupted" if interrupted else "failed", code, what, "", time.time() - t0,
+                           resume_cmd)
         raise
     run.finish("passed")
     _summary(cfg, run, plan, time.time() - t0, as_json)
@@ -378,6 +393,14 @@ def _gates(cfg, run, plan: Plan) -> None:
 
 
 NEXT_STAGE = {"smoke": "dryrun", "dryrun": "full", "rl_smoke": "rl_dryrun", "rl_dryrun": "rl_full"}
+
+
+def _print_failure(run, plan: Plan, status: str, code: int, error: str, fix: str, elapsed: float, resume: str) -> None:
+    """`run --json` answers on stdout whatever happened: a script must not have to parse stderr to learn why."""
+    print(json.dumps({"run_id": plan.run_id, "run_dir": str(run.dir), "status": status, "exit_code": code,
+                      "error": error, "fix": fix or None, "elapsed_s": round(elapsed, 1),
+                      "steps": {s["name"]: s.get("status") for s in run.steps()}, "resume": resume}, indent=2),
+          flush=True)
 
 
 def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:

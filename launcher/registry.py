@@ -143,7 +143,7 @@ class Run:
         new = {**old, **info, "name": name, "status": status, "updated_at": now}
         if status == "running" and old.get("status") != "running":
             new["started_at"] = now
-        if status in ("done", "failed", "stopped", "skipped"):
+        if status in ("done", "failed", "stopped", "skipped", "interrupted"):
             new["finished_at"] = now
         if info.get("submission_id"):
             ids = old.get("submission_ids", [])

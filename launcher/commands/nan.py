@@ -34,8 +34,14 @@ def nan():
 def bisect_kernel(kernel, source, reference, shape, overrides, tol, timeout, out_dir, as_json):
     """Delta-debug the kernel's pass configs to the minimal set that yields non-finite or wrong results,
     then sweep smaller shapes. Writes report.json and report.md."""
+    import torch
+
     from dsv4.kernels import bisect as kb
 
+    if not torch.cuda.is_available():
+        click.echo("error: v4 nan bisect-kernel compiles and runs TileLang kernels on a CUDA GPU, and this machine has "
+                   "none (torch.cuda.is_available() is False); run it on a GPU node of the cluster", err=True)
+        sys.exit(2)
     if bool(source) != bool(reference):
         raise click.UsageError("--source and --reference go together")
     try:

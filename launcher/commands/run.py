@@ -21,6 +21,18 @@ from launcher.cli_options import config_options, load_config
               "finished steps are skipped, a job it left running is followed")
 def run(selection, dry_run, as_json, skip_checks, force, resume):
     """Run a staged experiment: preflight, cluster up, pipeline steps as Ray jobs, gates."""
+    from launcher.errors import V4Error
+    try:
+        _run(selection, dry_run, as_json, skip_checks, force, resume)
+    except V4Error as e:
+        # --json answers on stdout whatever happened; a failure inside the run printed its own record already
+        if as_json and not dry_run and not getattr(e, "reported", False):
+            click.echo(json.dumps({"run_id": None, "status": "refused", "exit_code": e.code, "error": e.message,
+                                   "fix": e.fix}, indent=2))
+        raise
+
+
+def _run(selection, dry_run, as_json, skip_checks, force, resume):
     from launcher import plan as planning
     from launcher import registry
 

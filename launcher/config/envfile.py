@@ -47,9 +47,17 @@ def expand(raw: str, lookup: Callable[[str], str]) -> str:
 
 def parse_file(path: Path, display: str | None = None) -> list[Assignment]:
     try:
-        text = Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        # the byte's position, not the line: the line may hold a secret
+        raise ConfigError(f"{display or path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at column {col})",
+                          fix=f"save {path} as UTF-8, e.g. `iconv -f latin1 -t utf-8 {path} > fixed.env`") from None
     return parse_text(text, display or str(path))
 
 

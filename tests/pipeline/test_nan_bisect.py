@@ -25,13 +25,16 @@ def v4(work: Path, *args, timeout=600):
 
 def planted_run(work: Path, plant: str, *sets: str) -> Path:
     """A smoke run that dies of `plant` at step 3 -> its directory."""
-    args = ["run", "--preset", "smoke", "--force", "--set", "V4_EXECUTOR=local", "--set", f"PRESET_PLANT_NAN={plant}"]
+    args = ["run", "--preset", "smoke", "--force", "--json", "--set", "V4_EXECUTOR=local",
+            "--set", f"PRESET_PLANT_NAN={plant}"]
     for s in sets:
         args += ["--set", s]
     r = v4(work, *args)
     assert r.returncode == 16, r.stderr[-3000:]
     assert "v4 nan bisect stageA-" in r.stderr                # the failure names the next command
-    run = max((work / "runs").glob("stageA-*"), key=lambda p: p.stat().st_mtime)
+    failure = json.loads(r.stdout)                             # and --json says so on stdout
+    assert failure["status"] == "failed" and failure["exit_code"] == 16 and failure["steps"]["train"] == "failed"
+    run = Path(failure["run_dir"])
     cap = json.loads((run / "steps/train/nan_capture.json").read_text())
     assert cap["step"] == 3 and Path(cap["checkpoint"]).name == "iter_0000002"
     return run
