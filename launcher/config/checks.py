@@ -183,6 +183,10 @@ def derive_and_check(cfg: Config) -> None:
         if errors:
             raise InvalidConfig(errors)
         return
+    if cp > 1:
+        # validate must refuse what a job refuses: dsv4.megatron splits no sequence over ranks yet
+        errors.append(f"{at(cfg, 'PRESET_CP')}: context parallelism is not implemented by the training job "
+                      f"(dsv4/megatron); set PRESET_CP=1 (long sequences: fewer rows per micro-batch, or TP/PP)")
     model_parallel = tp * pp * cp
     if world % model_parallel:
         errors.append(f"TP*PP*CP = {model_parallel} does not divide the world size {world} "
@@ -224,12 +228,12 @@ def derive_and_check(cfg: Config) -> None:
     d["STATE_GB_PER_GPU"] = Derived(round(state_gb, 1), "params per GPU (dense/(TP*PP) + experts/(EP*ETP*PP)) "
                                                         f"x {m.bytes_per_param} bytes (weight, grad, Adam)")
     if v["HW_GPU_MEMORY_GB"] and state_gb > v["HW_GPU_MEMORY_GB"]:
-        # a warning, not an error: the estimate knows nothing of optimizer CPU offload and the like
-        cfg.warnings.append(f"~{state_gb:.0f} GB of weights, gradients and optimizer state per GPU for "
+        # an error: the train step would run out of memory after the download, dequantize and convert steps
+        errors.append(f"~{state_gb:.0f} GB of weights, gradients and optimizer state per GPU for "
                       f"{at(cfg, 'PRESET_MODEL')} ({(m.dense_params + m.expert_params) / 1e9:.1f} B params) "
                       f"exceed {at(cfg, 'HW_GPU_MEMORY_GB')}; spread it wider ({at(cfg, 'PRESET_EP')}, "
                       f"{at(cfg, 'PRESET_TP')}, {at(cfg, 'PRESET_PP')}) or shrink it, e.g. "
-                      f"--set PRESET_MODEL_OVERRIDES=\"n_routed_experts=8\"; the train step will run out of memory")
+                      f"--set PRESET_MODEL_OVERRIDES=\"n_routed_experts=8\"; the train step would run out of memory")
 
     # -- training checkpoints on disk: the previous one stays until the new one is complete ------------
     ckpt_gb = m.ckpt_bytes / 1e9                                                      # GB, as df reports

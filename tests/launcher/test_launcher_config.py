@@ -10,7 +10,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.config import Selection, load, resolve
-from launcher.config.checks import pipeline_split
+from launcher.config.checks import InvalidConfig, pipeline_split
 from launcher.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def env_file(tmp_path, text: str, name="extra.env") -> str:
 
 def test_every_shipped_combination_resolves():
     for cluster, hw, preset in [("local", "cpu", "smoke"), ("h20_8node", "h200", "smoke"),
-                                ("h20_8node", "auto", "dryrun"), ("h20_8node", "auto", "cp_smoke"),
+                                ("h20_8node", "auto", "dryrun"),
                                 ("h20_8node", "auto", "validation"), ("h20_8node", "auto", "full"),
                                 ("local", "cpu", "rl_smoke"), ("h200_template", "auto", "full")]:
         resolve(Selection(cluster=cluster, hw=hw, preset=preset))
@@ -40,9 +40,14 @@ def test_every_shipped_combination_resolves():
 def test_flash_layouts_split_43_layers():
     cfg = resolve(Selection(cluster="h20_8node", preset="dryrun"))
     assert cfg["PP_STAGE_LAYERS"] == [4, 6, 6, 6, 6, 6, 6, 3]
-    cfg = resolve(Selection(cluster="h20_8node", preset="cp_smoke"))
-    assert cfg["PP_STAGE_LAYERS"] == [11, 11, 11, 10]
-    assert cfg["DP"] == 1 and cfg["WORLD_SIZE"] == 64
+    assert pipeline_split(43, 4, 11, 10, "") == [11, 11, 11, 10]        # cp_smoke's split
+
+
+@pytest.mark.parametrize("preset", ["cp_smoke", "long_context"])
+def test_context_parallelism_is_refused_at_validate(preset):
+    """The training job has no CP: a CP > 1 preset must not pass validate and then fail after dequantizing."""
+    with pytest.raises(InvalidConfig, match="context parallelism is not implemented"):
+        resolve(Selection(cluster="h20_8node", preset=preset))
 
 
 def test_explain_names_file_line_and_what_was_overridden(capsys):
@@ -165,14 +170,14 @@ def test_config_show_imports_neither_torch_nor_ray():
     assert "HEAVY []" in r.stdout, r.stdout[-500:] + r.stderr[-2000:]
 
 
-def test_memory_estimate_warns_before_an_oom():
-    """The 4-layer model with all 256 experts on one H200: ~570 GB of state, a warning naming the fix."""
-    cfg = resolve(Selection(preset="smoke", hw="h200"))
-    assert cfg["STATE_GB_PER_GPU"] > 141
-    assert any("exceed HW_GPU_MEMORY_GB=141.0" in w and "n_routed_experts=8" in w for w in cfg.warnings)
-    small = resolve(Selection(preset="smoke", hw="h200", sets=("PRESET_MODEL_OVERRIDES=n_routed_experts=8",)))
+def test_memory_estimate_refuses_what_cannot_fit():
+    """The 4-layer model with all 256 experts on one H200: ~570 GB of state, an error naming the keys to change.
+    The H200 layer's own smoke (8 routed experts) fits, and so does a cluster's smoke with EP over its GPUs."""
+    with pytest.raises(InvalidConfig, match=r"exceed HW_GPU_MEMORY_GB=141.0 .*n_routed_experts=8"):
+        resolve(Selection(preset="smoke", hw="h200", sets=("PRESET_MODEL_OVERRIDES=",)))
+    small = resolve(Selection(preset="smoke", hw="h200"))
     assert 0 < small["STATE_GB_PER_GPU"] < 141 and not small.warnings
-    # 8 GPUs share the experts: fits an H200
+    assert small["CKPT_PEAK_COUNT"] == 1 and small["CKPT_PEAK_GB"] < 64   # one checkpoint: fits the H200 host
     assert not resolve(Selection(cluster="h20_8node", hw="h200", preset="smoke")).warnings
 
 
