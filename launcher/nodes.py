@@ -9,6 +9,8 @@ SSH connections stay open for reuse until `close()`: `opened(cfg)` closes the no
 """
 from __future__ import annotations
 
+import logging
+
 import os
 import shlex
 import signal
@@ -212,6 +214,9 @@ class SSHNode:
 
     def _connect_once(self):
         import paramiko
+        # paramiko's transport thread logs every failed handshake with a traceback (~25 lines a node); the reason
+        # reaches the user once, in our ConnectionError, so its own log stays quiet
+        logging.getLogger("paramiko").setLevel(logging.CRITICAL)
         client = paramiko.SSHClient()
         kh = self._known_hosts_path()
         if kh.exists():

@@ -59,3 +59,27 @@ def test_run_json_answers_on_stdout_when_the_run_is_refused(tmp_path):
     assert "v4 run --preset smoke" in out["fix"]
     r = v4("run", "--preset", "smoke", "--json", "--set", "PRESET_TP=banana", "--set", f"V4_WORK={tmp_path}")
     assert r.returncode == 2 and json.loads(r.stdout)["exit_code"] == 2
+
+
+def test_an_unreachable_ssh_host_is_one_line_not_a_traceback(capfd):
+    """A port that accepts and hangs up (no SSH banner): paramiko's transport thread would log a traceback per
+    attempt; the user gets our one ConnectionError instead."""
+    import socket
+    import threading
+
+    from launcher.nodes import SSHNode
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def hang_up():
+        for _ in range(2):
+            c, _ = srv.accept()
+            c.close()
+    threading.Thread(target=hang_up, daemon=True).start()
+    node = SSHNode("127.0.0.1", port=srv.getsockname()[1], connect_timeout=2, retries=2, backoff=0.01)
+    with pytest.raises(ConnectionError, match="unreachable after 2 attempt"):
+        node.connect()
+    srv.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "SSHException" not in err, err
