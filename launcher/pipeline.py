@@ -145,6 +145,9 @@ def config_flags(cfg) -> list[str]:
     sel, q = cfg.selection, shlex.quote
     flags = [f"--cluster {q(sel.cluster)}", f"--hw {q(sel.hw)}"]
     flags += [f"--env-file {q(f)}" for f in sel.env_files]
+    # keys the shell exported count like --set: the command must repeat the run without that shell (secrets
+    # excepted: they are never printed, and are read again from wherever they came from)
+    flags += [f"--set {shell_set(f'{k}={v}')}" for k, v in cfg.from_shell().items() if not cfg.is_secret(k)]
     return flags + [f"--set {shell_set(s)}" for s in sel.sets]
 
 

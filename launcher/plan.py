@@ -126,6 +126,7 @@ class Plan:
     dashboard: str
     executor: str
     steps: list[Step]
+    from_shell: dict = field(default_factory=dict)   # schema keys set by the process environment
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -268,7 +269,7 @@ def build(cfg: Config, run_id: str | None = None) -> Plan:
                       items=[f"{g}: {GATES[g]}" for g in cfg["PRESET_GATES"]]))
     sel = cfg.selection
     return Plan(run_id, run_dir, {"cluster": sel.cluster, "hw": sel.hw, "preset": sel.preset},
-                dashboard_url(cfg), cfg["V4_EXECUTOR"], steps)
+                dashboard_url(cfg), cfg["V4_EXECUTOR"], steps, cfg.from_shell())
 
 
 def preflight_step(cfg: Config) -> Step:

@@ -100,6 +100,12 @@ class Config:
         hist = self.history.get(key)
         return bool(hist) and (key, idx % len(hist)) in self.carries_secret
 
+    def from_shell(self) -> dict[str, Any]:
+        """Schema keys whose value comes from the process environment (an `export` in the shell), as printable:
+        they change a run as much as a --set does, so plans and rerun commands show them."""
+        return {k: "***" if self.is_secret(k) else h[-1].raw
+                for k, h in self.history.items() if h and h[-1].where.startswith("env ")}
+
     def shown(self, key: str) -> Any:
         """The value as it may be printed or saved: secrets redacted."""
         value = self[key]

@@ -81,3 +81,14 @@ except ConnectionError as e:
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "unreachable after 2 attempt" in r.stdout, r.stdout + r.stderr
     assert "Traceback" not in r.stderr and "SSHException" not in r.stderr, r.stderr
+
+
+def test_keys_exported_in_the_shell_show_in_the_plan_and_the_rerun_commands(tmp_path):
+    env = {"PRESET_LR": "3e-4", "V4_REDIS_PASSWORD": "hunter2"}
+    r = v4("run", "--preset", "smoke", "--hw", "cpu", "--dry-run", "--set", f"V4_WORK={tmp_path}", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "from the shell's environment (as a --set would): V4_REDIS_PASSWORD=*** PRESET_LR=3e-4" in r.stdout
+    assert "hunter2" not in r.stdout + r.stderr
+    r = v4("run", "--preset", "rl_smoke", "--hw", "cpu", "--set", f"V4_WORK={tmp_path}", env=env)
+    assert r.returncode == 4
+    assert "--set PRESET_LR=3e-4 --set V4_WORK=" in r.stderr and "hunter2" not in r.stderr
