@@ -15,6 +15,7 @@ COMMANDS = {
     "config": "launcher.commands.config:config",
     "preflight": "launcher.commands.preflight:preflight",
     "cluster": "launcher.commands.cluster:cluster",
+    "bootstrap": "launcher.commands.bootstrap:bootstrap",
     "runs": "launcher.commands.runs:runs",
     "ckpt": "launcher.commands.ckpt:ckpt",
     "bench": "launcher.commands.bench:bench",

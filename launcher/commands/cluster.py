@@ -45,6 +45,47 @@ def render_status(st) -> str:
     return "\n".join(lines)
 
 
+@cluster.command("init")
+@click.argument("name")
+@click.option("--from", "template", required=True, metavar="TEMPLATE",
+              help="a cluster file to start from: a name in envs/cluster/ (e.g. h200_template) or a path")
+@click.option("--master", metavar="ADDR", help="the head node's address (V4_MASTER_IP)")
+@click.option("--workers", metavar="'ADDR ...'", help="the worker nodes' addresses, space-separated (V4_WORKER_IPS; "
+              "sets V4_NUM_NODES)")
+@click.option("--gpus-per-node", type=int, help="V4_NUM_GPUS_PER_NODE")
+@click.option("--work", metavar="DIR", help="the shared directory, the same path on every node (V4_WORK)")
+@click.option("--local-dir", metavar="DIR", help="node-local scratch for Ray (V4_LOCAL_DIR)")
+@click.option("--user", help="SSH login user (V4_SSH_USER)")
+@click.option("--ssh-key", metavar="FILE", help="SSH private key (V4_SSH_KEY)")
+@click.option("--known-hosts", metavar="FILE", help="the pinned host keys (V4_SSH_KNOWN_HOSTS)")
+@click.option("--python", metavar="PATH", help="the interpreter on the nodes (V4_PYTHON)")
+@click.option("--image", help="container image (V4_IMAGE)")
+@click.option("--container", metavar="NAME", help="container name: run inside it (V4_CONTAINER)")
+@click.option("--no-container", is_flag=True, help="run on the hosts (empties V4_CONTAINER and V4_IMAGE)")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="any other cluster key (repeatable)")
+@click.option("--force", is_flag=True, help="overwrite an existing envs/cluster/NAME.env")
+def init(name, template, sets, force, no_container, **opts):
+    """Write envs/cluster/NAME.env from TEMPLATE with your addresses and paths. Nothing is written while a
+    template placeholder (a documentation-range address, a /your/ path) or any other validation error remains."""
+    from launcher.clusterinit import OPTION_KEYS, init as do_init
+    values = {OPTION_KEYS["--" + k.replace("_", "-")]: str(v) for k, v in opts.items() if v is not None}
+    if no_container:
+        if opts.get("container") or opts.get("image"):
+            raise click.UsageError("--no-container goes without --container and --image")
+        values.update(V4_CONTAINER="", V4_IMAGE="", V4_DOCKER_MOUNTS="")
+    for s in sets:
+        key, eq, val = s.partition("=")
+        if not eq:
+            raise click.UsageError(f"--set {s!r}: expected KEY=VALUE")
+        values[key.strip()] = val
+    path, _ = do_init(name, template, values, force=force)
+    click.echo(f"wrote {path}")
+    click.echo("next:", err=True)
+    click.echo(f"  v4 config show --cluster {name} --explain     every value and where it came from", err=True)
+    click.echo(f"  v4 bootstrap --cluster {name}                 validate, SSH, preflight, Ray, probe, smoke, step "
+               "by step", err=True)
+
+
 @cluster.command("up")
 @config_options()
 @click.option("--json", "as_json", is_flag=True, help="print the resulting status as JSON on stdout")

@@ -9,6 +9,7 @@ import hashlib
 import ipaddress
 import math
 import re
+from pathlib import Path
 import shlex
 from dataclasses import dataclass
 
@@ -317,7 +318,67 @@ def _check_site(cfg: Config, errors: list[str]) -> None:
     """What the cluster and hardware layers alone decide: ports, paths, names, transport, the rollout servers."""
     _check_ports_paths(cfg, errors)
     _check_names(cfg, errors)
+    _check_onboarding(cfg, errors)
     _check_rollout(cfg, errors)
+
+
+DOC_NETS = [ipaddress.ip_network(n) for n in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24", "2001:db8::/32")]
+PLACEHOLDER_PATH = re.compile(r"(^|[\s:=])/your/")
+
+
+def placeholders(cfg: Config) -> list[str]:
+    """Keys still holding a template's placeholder: a documentation-range address (RFC 5737/3849) or a /your/ path."""
+    out = []
+    for key in ("V4_MASTER_IP", "V4_WORKER_IPS", "V4_REDIS_HOST", "V4_ROLLOUT_NODES"):
+        vals = cfg.values[key] if isinstance(cfg.values[key], list) else [cfg.values[key]]
+        for h in vals:
+            try:
+                if any(ipaddress.ip_address(h) in n for n in DOC_NETS):
+                    out.append(key)
+                    break
+            except ValueError:
+                pass
+    for key, hist in cfg.history.items():
+        # the key's own text, not its value: V4_MODELS="${V4_WORK}/models" is fixed by fixing V4_WORK
+        if key.startswith("V4_") and hist and PLACEHOLDER_PATH.search(hist[-1].raw):
+            out.append(key)
+    return list(dict.fromkeys(out))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _check_onboarding(cfg: Config, errors: list[str]) -> None:
+    """What a new cluster file gets wrong and only bring-up or a job would say: placeholders left from its template,
+    a name that is not its file's, a head no worker can reach, keys its transport or container mode needs."""
+    v = cfg.values
+    if not v["V4_CLUSTER_TEMPLATE"]:
+        for key in placeholders(cfg):
+            errors.append(f"{at(cfg, key)} is a template placeholder (a documentation-range address or a /your/ "
+                          f"path) that reaches nothing; put the real value there, e.g. `v4 cluster init "
+                          f"{v['V4_CLUSTER_NAME']} --from <template> --master ADDR --workers 'ADDR ...' --work DIR`")
+    cluster_file = dict(cfg.layers).get("cluster")
+    # a named cluster (`--cluster NAME` finds envs/cluster/NAME.env); a file given by its path is not looked up by name
+    if cluster_file and cluster_file.startswith("envs/cluster/") and cluster_file.endswith(".env"):
+        stem = Path(cluster_file).name[:-len(".env")]
+        if v["V4_CLUSTER_NAME"] != stem and cfg.origin("V4_CLUSTER_NAME").where.startswith(cluster_file + ":"):
+            # runs, Ray namespaces and stage records carry the name; `--cluster NAME` finds the file: one name for both
+            errors.append(f"{at(cfg, 'V4_CLUSTER_NAME')} differs from its file's name {stem!r} ({cluster_file}); "
+                          f"set V4_CLUSTER_NAME={stem}, or rename the file to {v['V4_CLUSTER_NAME']}.env")
+    remote = [w for w in v["V4_WORKER_IPS"] if not _is_loopback(w)]
+    if _is_loopback(v["V4_MASTER_IP"]) and remote:
+        errors.append(f"{at(cfg, 'V4_MASTER_IP')} is a loopback address but the workers ({' '.join(remote)}, "
+                      f"{cfg.origin('V4_WORKER_IPS').where}) are other hosts: they would dial themselves to join Ray; "
+                      "put the head's address on the cluster network")
+    if v["V4_CONTAINER"] and not v["V4_IMAGE"]:
+        errors.append(f"{at(cfg, 'V4_CONTAINER')} (container mode) needs the image to start it from, but "
+                      f"{at(cfg, 'V4_IMAGE')} is empty; set V4_IMAGE, or empty V4_CONTAINER to run on the hosts")
+    if v["V4_TRANSPORT"] == "ssh" and not v["V4_SSH_USER"]:
+        errors.append(f"{at(cfg, 'V4_TRANSPORT')} needs an account on the nodes, but {at(cfg, 'V4_SSH_USER')} is empty")
 
 
 def sglang_engine(cfg: Config) -> bool:

@@ -40,6 +40,8 @@ def _k(name, type, default, layer, doc, choices=()):
 KEYS: list[Key] = [
     # --- cluster identity and topology -----------------------------------------------------------
     _k("V4_CLUSTER_NAME", "str", "local", "cluster", "name of the cluster (used for run ids and Ray namespaces)"),
+    _k("V4_CLUSTER_TEMPLATE", "bool", 0, "cluster",
+       "this cluster file is a template: its placeholders pass validate (`v4 cluster init NAME --from` it)"),
     _k("V4_GPU_MODEL", "str", "", "cluster", "hw layer this cluster's nodes use (selects hw/<name>.env when --hw auto)"),
     _k("V4_TRANSPORT", "enum", "local", "cluster", "how nodes are reached: local subprocess or SSH", ("local", "ssh")),
     _k("V4_MASTER_IP", "str", "127.0.0.1", "cluster", "address of the head node (Ray head, rank-0 rendezvous)"),

@@ -160,8 +160,10 @@ def test_a_broken_check_fails_loudly():
 
 
 def h200_smoke(**sets):
-    """The 4-layer smoke as it ran on the one H200 (8 routed experts): 34.5 GB a checkpoint by the estimate."""
-    sets = dict(V4_NUM_GPUS_PER_NODE=1, V4_EXPECT_IB=0, PRESET_MODEL_OVERRIDES='"n_routed_experts=8"', **sets)
+    """The 4-layer smoke as it ran on the one H200 (8 routed experts): 34.5 GB a checkpoint by the estimate, saved
+    every 3 steps as the preset did before hw/h200.env's HW_SMOKE_SAVE_INTERVAL kept one checkpoint at a time."""
+    sets = dict(V4_NUM_GPUS_PER_NODE=1, V4_EXPECT_IB=0, PRESET_MODEL_OVERRIDES='"n_routed_experts=8"',
+                **{"PRESET_SAVE_INTERVAL": 3, **sets})
     return resolve(Selection(preset="smoke", cluster="h200_template", hw="h200",
                              sets=tuple(f"{k}={v}" for k, v in sets.items())))
 

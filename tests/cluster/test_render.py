@@ -138,10 +138,10 @@ def test_node_container_wrapping(docker):
 
 
 def test_container_without_image_is_refused():
-    from launcher.errors import ClusterError
-    cfg = resolve(Selection(cluster="local", hw="cpu", sets=("V4_CONTAINER=c1", "V4_IMAGE=")))
-    with pytest.raises(ClusterError, match="V4_IMAGE is empty"):
-        cluster.cluster_commands(cfg)
+    """At validate now (before any command is rendered): container mode needs its image."""
+    from launcher.config.checks import InvalidConfig
+    with pytest.raises(InvalidConfig, match=r"V4_CONTAINER=c1 .*container mode.* V4_IMAGE= .* is empty"):
+        resolve(Selection(cluster="local", hw="cpu", sets=("V4_CONTAINER=c1", "V4_IMAGE=")))
 
 
 # --- hostile values: pasted into scripts, they stay data -------------------------------------------------

@@ -346,11 +346,11 @@ def test_names_pasted_into_scripts_are_validated(capsys, setting, needle):
 
 
 def test_worker_addresses_are_validated(tmp_path):
-    f = env_file(tmp_path, 'V4_TRANSPORT=ssh\nV4_NUM_NODES=4\n'
+    f = env_file(tmp_path, 'V4_TRANSPORT=ssh\nV4_NUM_NODES=4\nV4_MASTER_IP=10.0.0.1\n'
                            'V4_WORKER_IPS="10.0.0.2 fd00::3 node-4.example.com"\n')
     resolve(Selection(env_files=(f,), environ={}))
-    f = env_file(tmp_path, 'V4_TRANSPORT=ssh\nV4_NUM_NODES=3\nV4_WORKER_IPS="10.0.0.2 n3;id"\n')
-    with pytest.raises(ConfigError, match=r"V4_WORKER_IPS entry 'n3;id' \(.*extra.env:3\) is not an address"):
+    f = env_file(tmp_path, 'V4_TRANSPORT=ssh\nV4_NUM_NODES=3\nV4_MASTER_IP=10.0.0.1\nV4_WORKER_IPS="10.0.0.2 n3;id"\n')
+    with pytest.raises(ConfigError, match=r"V4_WORKER_IPS entry 'n3;id' \(.*extra.env:4\) is not an address"):
         resolve(Selection(env_files=(f,), environ={}))
 
 
