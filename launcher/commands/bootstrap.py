@@ -74,6 +74,7 @@ def save_state(cfg, state: dict) -> None:
 
 
 def command(step: Step, flags: list[str]) -> str:
+    """The step as a shell command line (flags are already shell words)."""
     return " ".join(["v4", *map(shlex.quote, step.args), *flags])
 
 
@@ -119,7 +120,8 @@ def bootstrap(selection, until, start, dry_run, as_json):
         cmd = command(step, flags)
         say(f"[{i}/{len(todo)}] {step.name}: {step.what}\n  $ {cmd}")
         t0 = time.time()
-        code = subprocess.call([sys.executable, "-m", "launcher", *step.args, *flags], cwd=ROOT)
+        # config_flags are shell words ("--set 'K=a b'"): the child gets them as the shell would pass them
+        code = subprocess.call([sys.executable, "-m", "launcher", *step.args, *shlex.split(" ".join(flags))], cwd=ROOT)
         state["steps"][step.name] = {"status": "passed" if code == 0 else "failed", "exit_code": code,
                                      "at": time.time(), "seconds": round(time.time() - t0, 1), "command": cmd}
         try:
