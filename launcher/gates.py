@@ -183,9 +183,31 @@ def _stages_file(cfg) -> Path:
     return Path(cfg["V4_OUT"]) / "stages.json"
 
 
+# What a later stage relies on from a passed one: the nodes, their software and the hardware facts. Not the workload
+# (it differs from stage to stage by design), nor how the launcher reaches the nodes (executor, ports, timeouts).
+STAGE_KEYS = ("V4_MASTER_IP", "V4_WORKER_IPS", "V4_NUM_NODES", "V4_NUM_GPUS_PER_NODE", "V4_GPU_MODEL", "V4_TRANSPORT",
+              "V4_PYTHON", "V4_IMAGE", "V4_CONTAINER", "V4_WORK")
+
+
+def stage_config(cfg) -> dict:
+    return {k: cfg.shown(k) for k in sorted(cfg.values)
+            if (k in STAGE_KEYS or k.startswith("HW_")) and not cfg.is_secret(k)}
+
+
+def stage_differences(cfg, entry: dict) -> list[str]:
+    """`KEY: was -> now` for each value that differs from the one a stage passed with (none for old records)."""
+    then = entry.get("config")
+    if then is None:
+        return []
+    now = stage_config(cfg)
+    return [f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
+
+
 def passed_stages(cfg) -> dict:
+    """The stages passed for this cluster/hw, each with `differences` from the configuration it passed with."""
     p = _stages_file(cfg)
-    return json.loads(p.read_text()).get(stage_key(cfg), {}) if p.is_file() else {}
+    found = json.loads(p.read_text()).get(stage_key(cfg), {}) if p.is_file() else {}
+    return {stage: {**entry, "differences": stage_differences(cfg, entry)} for stage, entry in found.items()}
 
 
 @contextmanager
@@ -219,5 +241,5 @@ def record_pass(cfg, stage: str, run_id: str, results: list[GateResult]) -> None
         data = json.loads(p.read_text()) if p.is_file() else {}
         data.setdefault(stage_key(cfg), {})[stage] = {
             "run_id": run_id, "passed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "gates": [asdict(r) for r in results]}
+            "gates": [asdict(r) for r in results], "config": stage_config(cfg)}
         atomic_write(p, json.dumps(data, indent=2))       # readers (passed_stages) take no lock: see old or new

@@ -48,16 +48,19 @@ def check_stage_order(cfg: Config, force: bool, skip_checks=()) -> None:
     if not needed:
         return
     passed = gating.passed_stages(cfg)
-    if needed in passed:
-        say(f"stage order: {needed} passed in run {passed[needed]['run_id']} ({passed[needed]['passed_at']})")
+    entry = passed.get(needed)
+    if entry and not entry["differences"]:
+        say(f"stage order: {needed} passed in run {entry['run_id']} ({entry['passed_at']})")
         return
+    changed = (f"; it passed in run {entry['run_id']}, but with other cluster or hardware settings: "
+               + "; ".join(entry["differences"][:6]) + (" ..." if len(entry["differences"]) > 6 else "")) if entry else ""
     if force:
-        say(f"stage order: {needed} has not passed for {gating.stage_key(cfg)}; continuing because of --force")
+        say(f"stage order: {needed} has not passed for {gating.stage_key(cfg)}{changed}; continuing because of --force")
         return
     sel = cfg.selection
     raise GateError(
         f"preset {sel.preset} (stage {cfg['PRESET_STAGE']}) needs stage {needed} to have passed first for "
-        f"cluster/hw {gating.stage_key(cfg)} ({cfg.origin('PRESET_REQUIRES_STAGE').where})",
+        f"cluster/hw {gating.stage_key(cfg)} ({cfg.origin('PRESET_REQUIRES_STAGE').where}){changed}",
         # the same --env-file/--set: V4_WORK among them decides which stages.json the pass lands in
         fix=f"{rerun_command(cfg, preset=needed, skip_checks=skip_checks)}   (or pass --force)")
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from launcher.config import Selection, resolve
 from launcher.gates import evaluate, left_out, passed_stages, record_pass
 
@@ -187,3 +189,22 @@ def test_rl_gates_fail_on_a_flat_reward_a_mismatch_nan_or_no_read_back(tmp_path)
     assert not unread["weights_synced"].passed and "no read-back" in unread["weights_synced"].detail
     off = by_name(evaluate(RL_GATES, write_rl_run(tmp_path / "f", [0.1] * 10, synced=False), c))
     assert not off["weights_synced"].passed
+
+
+def test_a_stage_passed_with_other_settings_does_not_count(tmp_path):
+    """The pass records the cluster and hardware values it relied on: another image (or GPU count, or interpreter)
+    is another configuration, and the refusal names what changed; the executor or a port is not."""
+    c = cfg(tmp_path)
+    record_pass(c, "smoke", "stageA-x", [])
+    same = resolve(Selection(preset="smoke", hw="cpu", sets=(f"V4_WORK={tmp_path}", "V4_EXECUTOR=local",
+                                                              "V4_RAY_PORT=7001")))
+    assert passed_stages(same)["smoke"]["differences"] == []
+    other = resolve(Selection(preset="smoke", hw="cpu", sets=(f"V4_WORK={tmp_path}", "V4_PYTHON=/opt/py/bin/python")))
+    diff = passed_stages(other)["smoke"]["differences"]
+    assert len(diff) == 1 and diff[0].startswith("V4_PYTHON: ") and diff[0].endswith("-> '/opt/py/bin/python'")
+    from launcher.errors import GateError
+    from launcher.pipeline import check_stage_order
+    rl = resolve(Selection(preset="rl_smoke", hw="cpu", sets=(f"V4_WORK={tmp_path}", "V4_PYTHON=/opt/py/bin/python")))
+    with pytest.raises(GateError, match=r"passed in run stageA-x, but with other cluster or hardware settings: V4_PYTHON"):
+        check_stage_order(rl, force=False)
+    check_stage_order(resolve(Selection(preset="rl_smoke", hw="cpu", sets=(f"V4_WORK={tmp_path}",))), force=False)
