@@ -14,7 +14,8 @@ step_loss_mask). Accepted rows (see docs/data.md):
 A row is dropped, and counted under its reason, when it has no recognizable conversation, an
 unknown role, a malformed tool call, no assistant turn, or an empty assistant turn. The output
 gets a completion sentinel recording the source's content hash: a re-run with the same source
-skips, a changed source re-runs. The counts go to stderr and steps/prepare_data/summary.json.
+skips, a changed source re-runs. The counts go to stderr and steps/prepare_data/summary.json. More than
+PRESET_DATA_MAX_DROP of the rows dropped fails the step (exit 1), leaving no output.
 """
 from __future__ import annotations
 
@@ -193,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     log(f"prepare_data: kept {summary['kept']}, dropped {summary['dropped']}")
     if summary["kept"] == 0:
         log(f"error: no usable conversation in {source}; see the drop reasons above and docs/data.md")
+        output.unlink(missing_ok=True)
+        return 1
+    share, limit = summary["dropped"] / (summary["kept"] + summary["dropped"]), float(ctx.cfg["PRESET_DATA_MAX_DROP"])
+    if share > limit:
+        # a data set that is mostly dropped trains on what is left and passes the gates: fail it here
+        log(f"error: {summary['dropped']} of {summary['kept'] + summary['dropped']} rows of {source} dropped "
+            f"({share:.0%}, more than PRESET_DATA_MAX_DROP={limit:g}); see the reasons above and docs/data.md, fix the "
+            "data, or raise PRESET_DATA_MAX_DROP if those rows are meant to go")
+        output.unlink(missing_ok=True)
         return 1
     mark_done(output, inputs, kept=summary["kept"], dropped=summary["dropped"])
     return 0

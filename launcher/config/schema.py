@@ -149,6 +149,8 @@ KEYS: list[Key] = [
     _k("PRESET_STEPS", "list", "weights prepare_data verify_template dequantize convert train", "preset", "pipeline steps in order"),
     _k("PRESET_GATES", "list", "finite_loss", "preset", "gates checked after training"),
     _k("PRESET_DATA", "path", "${V4_ROOT}/data/sft_smoke.jsonl", "preset", "chat data source (jsonl or parquet)"),
+    _k("PRESET_DATA_MAX_DROP", "float", 0.2, "preset",
+       "prepare_data fails when more than this share of PRESET_DATA's rows is dropped (0.2: a fifth)"),
     _k("PRESET_THINKING_MODE", "enum", "chat", "preset", "chat encoding mode (MILES_DSV4_THINKING_MODE)", ("chat", "thinking")),
     _k("PRESET_DROP_THINKING", "bool", 0, "preset", "drop reasoning of earlier assistant turns (MILES_DSV4_DROP_THINKING)"),
     _k("PRESET_NUM_NODES", "int", 0, "preset", "nodes the job uses (0: all of the cluster)"),

@@ -35,13 +35,24 @@ ROWS = [
 ]
 
 
-def _run_dir(tmp_path: Path, source: Path) -> Path:
+def _run_dir(tmp_path: Path, source: Path, max_drop: float = 1.0) -> Path:
     run = tmp_path / "run"
     run.mkdir(exist_ok=True)
     out = tmp_path / "data" / "sft.jsonl"
     (run / "config.json").write_text(json.dumps({"values": {
-        "PRESET_DATA": str(source), "V4_SFT_DATA": str(out), "V4_SOCKET_IFNAME": ""}}))
+        "PRESET_DATA": str(source), "V4_SFT_DATA": str(out), "V4_SOCKET_IFNAME": "", "PRESET_DATA_MAX_DROP": max_drop}}))
     return run
+
+
+def test_a_mostly_dropped_data_set_fails_and_leaves_no_output(tmp_path, capfd):
+    """5 of 9 rows dropped (56 %): over a 0.2 limit the step fails, names the share and the key, writes nothing."""
+    src = tmp_path / "src.jsonl"
+    _write_jsonl(src, ROWS)
+    assert main(["--run-dir", str(_run_dir(tmp_path, src, max_drop=0.2))]) == 1
+    err = capfd.readouterr().err
+    assert "5 of 9 rows" in err and "(56%, more than PRESET_DATA_MAX_DROP=0.2)" in err
+    assert not (tmp_path / "data" / "sft.jsonl").exists() and not (tmp_path / "data" / "sft.jsonl.v4-done.json").exists()
+    assert main(["--run-dir", str(_run_dir(tmp_path, src, max_drop=0.6))]) == 0
 
 
 def _write_jsonl(path: Path, rows, extra_lines=()):
@@ -153,7 +164,7 @@ def test_data_another_run_prepared_into_the_same_file_is_refused(tmp_path):
         run.mkdir()
         (run / "config.json").write_text(json.dumps({"values": {
             "PRESET_DATA": str(src), "V4_SFT_DATA": str(out), "V4_SOCKET_IFNAME": "", "CKPT_HF_DIR": "/x",
-            "CKPT_BF16_DIR": "/x", "CKPT_TORCH_DIST": "/x"}}))
+            "CKPT_BF16_DIR": "/x", "CKPT_TORCH_DIST": "/x", "PRESET_DATA_MAX_DROP": 0.2}}))
         runs[name] = run
     assert main(["--run-dir", str(runs["a"])]) == 0
     assert foreign_sft_data(RunContext.load(runs["a"])) is None
