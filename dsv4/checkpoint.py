@@ -13,7 +13,7 @@ self_attn.wq_a.weight`), or official.
 
 Shards are written by our own streaming safetensors writer: the header is known in advance from the plan, tensor
 bytes are appended one tensor at a time (memory stays bounded by the largest tensor), the file is fsynced under a
-`.tmp` name and renamed, so a shard file that exists is complete. The dequantizer keeps its plan in
+`.tmp` name and renamed, so a shard file that exists is complete (an error removes the `.tmp`). The dequantizer keeps its plan in
 `.dequantize-plan.json` and resumes by skipping shards that exist and whose header and size match the plan.
 """
 from __future__ import annotations
@@ -192,8 +192,16 @@ def read_header(path: str | Path) -> tuple[dict, int]:
         (n,) = struct.unpack("<Q", raw)
         if n > 100 << 20:
             raise CheckpointError(f"{path}: header length {n} is implausible; not a safetensors file")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise CheckpointError(f"{path}: its header is not valid JSON: truncated or corrupted; download it again") from None
+        size = os.fstat(f.fileno()).st_size
     header.pop("__metadata__", None)
+    need = 8 + n + max((v["data_offsets"][1] for v in header.values()), default=0)
+    if size < need:
+        # found here, before anything is written, not as a reader error halfway through the conversion
+        raise CheckpointError(f"{path}: truncated: {size} bytes where its header describes {need}; download it again")
     return header, 8 + n
 
 
@@ -236,7 +244,8 @@ class ShardWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            self.f.close()            # the .tmp stays behind; a rerun rewrites it
+            self.f.close()            # a rerun writes the shard again from its start: nothing partial stays
+            self.path.unlink(missing_ok=True)
             return
         self.close()
         os.replace(self.path, self.final)
@@ -485,7 +494,12 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
                               "the *.safetensors shards)")
     if src.resolve() == dst.resolve():
         raise CheckpointError(f"source and destination are both {src}; choose a separate output directory")
-    hf_cfg = json.loads((src / "config.json").read_text())
+    try:
+        hf_cfg = json.loads((src / "config.json").read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{src / 'config.json'}: not valid JSON ({getattr(e, 'msg', e)} at line "
+                              f"{getattr(e, 'lineno', '?')}, column {getattr(e, 'colno', '?')}); fix or download it "
+                              "again") from None
     cfg = ModelConfig.from_hf_config(hf_cfg)
     raw = _source_tensors(src)
     tensors = _to_official_names(raw, cfg.n_layers)

@@ -182,6 +182,20 @@ def peak_memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # Linux: KiB
 
 
+class CheckpointReadError(RuntimeError):
+    """A checkpoint directory that exists but cannot be loaded."""
+
+
+def _cause(e: BaseException) -> str:
+    """`EOFError` rather than torch's CheckpointException, whose text carries every rank's traceback."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    text = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+    return type(e).__name__ + (f": {text}" if text else "")
+
+
 # ================================================================================================ trainer
 @dataclass
 class StepResult:
@@ -432,7 +446,15 @@ class Trainer:
         request = {"model": model_sd}
         if with_optimizer:
             request["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=True)
-        loaded = dist_checkpointing.load(request, str(path))
+        try:
+            loaded = dist_checkpointing.load(request, str(path))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:   # torch's CheckpointException (a BaseException) wrapping EOFError, pickle errors...
+            raise CheckpointReadError(
+                f"{path}: cannot be read ({_cause(e)}): the checkpoint is truncated "
+                f"or corrupted (a disk that filled during the save, an interrupted copy). Move it aside and the run "
+                f"resumes from the checkpoint before it, or starts from the converted weights") from e
         missing = set(self.stage.state_dict()) - set(loaded["model"])
         if missing:
             raise RuntimeError(f"{path}: checkpoint lacks {sorted(missing)[:5]} ...")
@@ -495,7 +517,11 @@ def run_sft(tc: TrainConfig, step_batches: Callable[[int, int, int], Iterator[di
     trainer = Trainer(tc, init=None)
     r = trainer.ranks
     say = log if r.rank == 0 else (lambda msg: None)
-    start = _restore(trainer, out, say)
+    try:
+        start = _restore(trainer, out, say)
+    except CheckpointReadError as e:
+        say(f"error: {e}")
+        return 1
     batches = step_batches(r.dp_rank, r.dp, start)
     tokens_per_step = tc.global_batch_size * tc.seq_len
     kill_at = int(os.environ.get("V4_KILL_AT_STEP", "0") or 0)     # test hook: die inside this step

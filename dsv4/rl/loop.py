@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4 import quant
-from dsv4.megatron.train import (Outputs, Trainer, TrainConfig, _restore, _stop_nonfinite, peak_memory_gb,
+from dsv4.megatron.train import (CheckpointReadError, Outputs, Trainer, TrainConfig, _restore, _stop_nonfinite, peak_memory_gb,
                                  split_micro_batches)
 from dsv4.rl import grpo, sync
 from dsv4.rl.api import GenerateRequest, SamplingParams
@@ -385,7 +385,11 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
     ranks = trainer.ranks
     lead = ranks.rank == 0
     say = log if lead else (lambda msg: None)
-    start = _restore(trainer, out, say) // rl.minibatches     # checkpoints count optimizer updates
+    try:
+        start = _restore(trainer, out, say) // rl.minibatches     # checkpoints count optimizer updates
+    except CheckpointReadError as e:
+        say(f"error: {e}")
+        return 1
     cfg = tc.model
     weights = full_weights(trainer)
     ref_model = _reference_policy(trainer, weights, out, start) if rl.kl_coef > 0 and lead else None

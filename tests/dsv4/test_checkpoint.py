@@ -173,7 +173,7 @@ def test_dequantizer_resumes_after_interruption_and_refuses_overwrite(generated,
     with pytest.raises(Interrupt):
         ck.dequantize_checkpoint(generated, dst, shard_bytes=900_000, progress=stop_late)
     assert not (dst / ck.INDEX).exists() and (dst / ck.PLAN).exists()
-    assert list(dst.glob("*.tmp"))                                           # the shard in flight stays temporary
+    assert not list(dst.glob("*.tmp"))                                       # the shard in flight is removed
     finished = sorted(p.name for p in dst.glob("model-*.safetensors"))
     assert finished
     mtimes = {n: (dst / n).stat().st_mtime_ns for n in finished}
@@ -254,3 +254,21 @@ def test_mtp_copies_of_shared_embedding_pass_through(generated, tmp_path):
     out_index = json.loads((tmp_path / "out" / ck.INDEX).read_text())["weight_map"]
     assert "model.layers.4.emb.tok_emb.weight" in out_index
     assert ck.load_model_from_bf16(tmp_path / "out", dtype="fp32") is not None     # the model ignores the copy
+
+
+def test_a_truncated_shard_or_a_broken_config_is_named_before_anything_is_written(generated, tmp_path):
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(generated, src)
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    whole = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: whole // 2])
+    with pytest.raises(ck.CheckpointError, match=rf"{shard.name}: truncated: {whole // 2} bytes where its header "
+                                                 rf"describes {whole}"):
+        ck.dequantize_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    shutil.copy(generated / shard.name, shard)
+    (src / "config.json").write_text('{"vocab_size": 512,\n')
+    with pytest.raises(ck.CheckpointError, match=r"config.json: not valid JSON \(.* at line 2, column 1\)"):
+        ck.dequantize_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

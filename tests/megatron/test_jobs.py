@@ -215,3 +215,18 @@ def test_train_and_evaluate_refuse_data_another_run_prepared(models, tmp_path):
         p = job(name, run)
         assert p.returncode == 1 and "another run prepared its source" in p.stderr, (name, p.stderr[-2000:])
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_a_corrupted_checkpoint_is_named_not_a_traceback(converted, tmp_path):
+    """A checkpoint truncated on disk (a full disk during the save): the resume names the directory and what to
+    do, exit 1, no EOFError traceback."""
+    run = make_run(tmp_path / "run", converted, PRESET_NUM_STEPS=3)
+    killed = job("train_sft", run, V4_KILL_AT_STEP="3")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    ckpt = run / "checkpoints" / "iter_0000002"
+    for f in ckpt.glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    p = job("train_sft", run)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert f"{ckpt}: cannot be read (EOFError)" in p.stderr and "truncated or corrupted" in p.stderr
+    assert "Traceback" not in p.stderr
