@@ -116,9 +116,18 @@ def _launch_ray(fn, world, payload, device, master_port, log) -> int:
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=True)
     gpu = device == "cuda"
     bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+    total = ray.cluster_resources()
+    short = {k: (v * world, total.get(k, 0)) for k, v in bundle.items() if total.get(k, 0) < v * world}
+    if short:
+        # more than the whole cluster has: no amount of waiting places it
+        log(f"error: {world} ranks of {bundle} can never be placed: they need "
+            + ", ".join(f"{n:g} {k}" for k, (n, _) in short.items()) + ", the whole Ray cluster has "
+            + ", ".join(f"{have:g} {k}" for k, (_, have) in short.items())
+            + "; run fewer ranks, or give Ray more (more nodes, or V4_RAY_NUM_CPUS on a CPU cluster)")
+        return 1
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
     t0 = time.time()
-    if not _wait_ready(pg, timeout=600):
+    if not _wait_ready(pg, timeout=600, log=log, what=f"{world} x {bundle}"):
         remove_placement_group(pg)
         log(f"error: Ray could not place {world} ranks of {bundle} within 600 s; cluster resources: "
             f"{ray.cluster_resources()}")
@@ -143,10 +152,20 @@ def _launch_ray(fn, world, payload, device, master_port, log) -> int:
     return combine_exit_codes(codes)
 
 
-def _wait_ready(pg, timeout: float) -> bool:
+def _wait_ready(pg, timeout: float, log=None, what: str = "", every: float = 30.0) -> bool:
+    """Wait for the placement group, saying every `every` s what is free meanwhile (other jobs hold the rest)."""
     import ray
-    ready, _ = ray.wait([pg.ready()], timeout=timeout)
-    return bool(ready)
+    ref, deadline = pg.ready(), time.time() + timeout
+    while True:
+        ready, _ = ray.wait([ref], timeout=max(0.0, min(every, deadline - time.time())))
+        if ready:
+            return True
+        if time.time() >= deadline:
+            return False
+        if log:
+            free = ray.available_resources()
+            log(f"waiting for Ray to place {what}: free now {free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU "
+                f"({deadline - time.time():.0f} s left)")
 
 
 def _gather(refs, log) -> list[int]:

@@ -230,3 +230,16 @@ def test_a_corrupted_checkpoint_is_named_not_a_traceback(converted, tmp_path):
     assert p.returncode == 1, p.stderr[-3000:]
     assert f"{ckpt}: cannot be read (EOFError)" in p.stderr and "truncated or corrupted" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_ranks_ray_can_never_place_fail_at_once_with_the_numbers():
+    """Three ranks on a two-CPU Ray: said at once, with what they need and what the cluster has (not a silent
+    wait for the placement timeout)."""
+    script = ("import ray, time; ray.init(num_cpus=2, include_dashboard=False); from dsv4.megatron.launch import "
+              "_launch_ray; t0 = time.time(); code = _launch_ray(lambda *a: 0, 3, None, 'cpu', 0, print); "
+              "print('code', code, 'after', round(time.time() - t0, 1))")
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
+    assert "code 1 after" in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "3 ranks of {'CPU': 1} can never be placed: they need 3 CPU, the whole Ray cluster has 2 CPU" in p.stdout
+    assert float(p.stdout.split("after")[1]) < 10
