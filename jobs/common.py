@@ -56,8 +56,25 @@ class RunContext:
         return self.run_dir / "metrics.jsonl"
 
     def write_metrics(self, row: dict) -> None:
+        """One step's row: a line of metrics.jsonl, and the same numbers as TensorBoard scalars under RUN/tb
+        (`tensorboard --logdir V4_OUT` shows every run)."""
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        writer = self._tensorboard()
+        if writer is not None and "step" in row:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    writer.add_scalar(k, v, row["step"])
+            writer.flush()
+
+    def _tensorboard(self):
+        if not hasattr(self, "_tb"):
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+            except ImportError:              # tensorboard is not installed (a bare GPU host): metrics.jsonl only
+                self._tb = None
+        return self._tb
 
     @property
     def paths(self) -> "Paths":

@@ -168,8 +168,31 @@ def weights_synced(rows, run_dir, cfg) -> GateResult:
                                                  + (f"; off at step(s) {bad[:10]}" if bad else ""))
 
 
+def baseline(rows, run_dir, cfg) -> GateResult:
+    """The run follows PRESET_BASELINE_RUN step by step (loss and gradient norm, RL: reward and mismatch) within
+    PRESET_BASELINE_TOL (relative): "this kernel change must not move the loss"."""
+    from launcher import compare
+    ref_id, tol = cfg["PRESET_BASELINE_RUN"], cfg["PRESET_BASELINE_TOL"]
+    if not ref_id:
+        return GateResult("baseline", False, "PRESET_BASELINE_RUN is empty: name the run to compare with")
+    ref = compare.read_metrics(Path(cfg["V4_OUT"]) / ref_id)
+    if not ref:
+        return GateResult("baseline", False, f"baseline run {ref_id} has no metrics under {cfg['V4_OUT']}")
+    res = compare.compare({ref_id: ref, "this run": rows}, None, tol)
+    bad = [v for v in res.verdicts if v.verdict not in ("identical", "within")]
+    if bad:
+        v = bad[0]
+        where = f"from step {v.first_diverged} ({v.values_at_divergence[0]!r} vs {v.values_at_divergence[1]!r})" \
+            if v.first_diverged is not None else "(no common steps)"
+        return GateResult("baseline", False, f"{v.metric} diverged from baseline {ref_id} {where}; "
+                                             f"tolerance {tol:g}")
+    worst = max((v.max_rel for v in res.verdicts), default=0.0)
+    return GateResult("baseline", True, f"{', '.join(res.metrics)} follow {ref_id} over {res.verdicts[0].steps} "
+                                        f"steps (largest relative difference {worst:.2g}, tolerance {tol:g})")
+
+
 GATES = {f.__name__: f for f in (finite_loss, loss_decreasing, reload_equal, peak_memory, step_time,
-                                   reward_rising, logprob_match, weights_synced)}
+                                   reward_rising, logprob_match, weights_synced, baseline)}
 
 
 # --- stage order -----------------------------------------------------------------------------------

@@ -363,6 +363,8 @@ def _job(cfg, run, step: Step, jobs, resume_cmd: str = "") -> None:
         run.set_step(step.name, "stopped", **outcome.to_json())
         _check_not_stopped(run, resume_cmd)
     run.set_step(step.name, "done" if outcome.ok else "failed", **outcome.to_json())
+    if step.name == "train":
+        _plot_metrics(run)
     if outcome.ok:
         say(f"[{step.name}] done in {outcome.elapsed_s:.0f} s")
         return
@@ -399,6 +401,19 @@ def _gates(cfg, run, plan: Plan) -> None:
 
 
 NEXT_STAGE = {"smoke": "dryrun", "dryrun": "full", "rl_smoke": "rl_dryrun", "rl_dryrun": "rl_full"}
+
+
+def _plot_metrics(run) -> None:
+    """RUN/plots/metrics.png after every train step, finished or not: the curves are the first thing to look at."""
+    from launcher import compare
+    rows = compare.read_metrics(run.dir)
+    if not rows:
+        return
+    try:
+        path = compare.plot({run.id: rows}, run.dir / "plots" / "metrics.png", title=run.id)
+        say(f"[train] plots: {path}")
+    except Exception as e:             # a plot must never fail the run
+        say(f"[train] note: no plot ({type(e).__name__}: {e})")
 
 
 def _print_failure(run, plan: Plan, status: str, code: int, error: str, fix: str, elapsed: float, resume: str) -> None:

@@ -67,6 +67,7 @@ GATES = {
     "step_time": "steady-state step time under HW_STEP_TIME_BUDGET_S",
     "reward_rising": "RL: the last window's mean reward beats the first window's by PRESET_RL_REWARD_RISE",
     "logprob_match": "RL: trainer and rollout logprobs of every response token within PRESET_RL_LOGPROB_TOL",
+    "baseline": "every step's metrics follow PRESET_BASELINE_RUN's within PRESET_BASELINE_TOL",
     "weights_synced": "RL: after every sync the engine's weights read back equal to the trainer's",
 }
 

@@ -8,6 +8,7 @@ import time
 import click
 
 from launcher.cli_options import config_options, load_config
+from launcher.table import table as render_table
 
 
 def _when(t) -> str:
@@ -36,9 +37,7 @@ def ls(selection, as_json):
     table = [("RUN", "STATUS", "STAGE", "PRESET", "CLUSTER", "CREATED", "STEPS")]
     table += [(r["id"], r["status"], r["stage"] or "-", r["preset"] or "-", r["cluster"] or "-",
                _when(r["created_at"]), f"{r['steps_done']}/{r['steps']}") for r in rows]
-    widths = [max(len(str(t[i])) for t in table) for i in range(len(table[0]))]
-    for t in table:
-        click.echo("  ".join(str(c).ljust(w) for c, w in zip(t, widths)).rstrip())
+    click.echo(render_table(table))
 
 
 @runs.command("show")
@@ -67,6 +66,10 @@ def show(selection, run_ref, as_json):
         click.echo(f"  step {s['name']:<16} {s['status']:<8} {f'{took:.0f} s' if took is not None else '':>7}  {job}")
     for g in gates or []:
         click.echo(f"  gate {g['name']:<16} {'PASS' if g.get('passed') else 'FAIL'}  {g.get('detail', '')}")
+    for png in sorted((run.dir / "plots").glob("*.png")):
+        click.echo(f"  plot {png}")
+    if (run.dir / "tb").is_dir():
+        click.echo(f"  tensorboard --logdir {run.dir / 'tb'}")
 
 
 @runs.command("logs")
@@ -175,3 +178,74 @@ def _stop_local(run, s: dict) -> list[str]:
 def _stop_ray(cfg, s: dict) -> list[str]:
     from launcher import jobs
     return [sid for sid in s.get("submission_ids") or [s.get("submission_id")] if sid and jobs.stop(cfg, sid)]
+
+
+def _fmt_num(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+@runs.command("compare")
+@config_options()
+@click.argument("run_refs", metavar="RUN RUN [RUN ...]", nargs=-1, required=True)
+@click.option("--metrics", help="comma-separated metrics [loss, grad_norm, and for RL reward_mean, logprob_diff_max]")
+@click.option("--tol", default=0.0, show_default=True, type=float,
+              help="relative tolerance: |a - b| <= tol * max(|a|, |b|) counts as the same")
+@click.option("--steps", "show_steps", is_flag=True, help="print the step-by-step table too")
+@click.option("--json", "as_json", is_flag=True, help="verdicts and the step table as JSON on stdout")
+def compare_cmd(selection, run_refs, metrics, tol, show_steps, as_json):
+    """Compare runs step by step against the first: per metric identical, within --tol, or diverged from step k.
+    Exit codes: 0 every metric identical or within tolerance, 1 some metric diverged (or is missing), 2 usage."""
+    from dataclasses import asdict
+
+    from launcher import compare, registry
+    if len(run_refs) < 2:
+        raise click.UsageError("compare needs two runs or more: the first is the reference")
+    cfg = load_config(selection)
+    found = [registry.find_run(cfg, r) for r in run_refs]
+    runs = {r.id: compare.read_metrics(r.dir) for r in found}
+    empty = [n for n, rows in runs.items() if not rows]
+    if empty:
+        raise click.UsageError(f"no metrics in {', '.join(empty)} (a run that never finished a step)")
+    res = compare.compare(runs, metrics.split(",") if metrics else None, tol)
+    if as_json:
+        click.echo(json.dumps({"schema": 1, "ok": res.ok, **asdict(res)}, indent=2, default=str))
+    else:
+        labels = compare.differing_keys({r.id: compare.run_config(r.dir) for r in found})
+        click.echo(f"reference {res.runs[0]}" + (f"  ({', '.join(labels[res.runs[0]][:4])})" if labels[res.runs[0]] else ""))
+        rows = [("RUN", "METRIC", "VERDICT", "STEPS", "MAX |DIFF|", "MAX REL", "FIRST DIVERGED")]
+        for v in res.verdicts:
+            first = "-" if v.first_diverged is None else \
+                f"step {v.first_diverged}: {v.values_at_divergence[0]!r} vs {v.values_at_divergence[1]!r}"
+            rows.append((v.run, v.metric, v.verdict, v.steps, f"{v.max_abs:.3g}", f"{v.max_rel:.3g}", first))
+        click.echo(render_table(rows, right=(3, 4, 5)))
+        if show_steps:
+            head = ["STEP"] + [f"{n[-8:]}:{m}" for n in res.runs for m in res.metrics]
+            body = [tuple([t["step"]] + [_fmt_num(t[n][m]) for n in res.runs for m in res.metrics]) for t in res.table]
+            click.echo(render_table([tuple(head), *body], right=tuple(range(len(head)))))
+        click.echo("verdict: " + ("same" if res.ok else "DIFFERENT") + (f" (tolerance {tol:g})" if tol else ""), err=True)
+    sys.exit(0 if res.ok else 1)
+
+
+@runs.command("plot")
+@config_options()
+@click.argument("run_refs", metavar="RUN [RUN ...]", nargs=-1, required=True)
+@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False), help="the PNG to write")
+@click.option("--metrics", help="comma-separated metrics [loss, grad_norm, lr, tokens_per_s, peak_mem_gb; RL: reward "
+              "and logprob mismatch]")
+def plot_cmd(selection, run_refs, out, metrics):
+    """Plot metrics against step, the runs overlaid; the legend names each run's differing settings."""
+    from launcher import compare, registry
+    cfg = load_config(selection)
+    found = [registry.find_run(cfg, r) for r in run_refs]
+    runs = {r.id: compare.read_metrics(r.dir) for r in found}
+    labels = compare.differing_keys({r.id: compare.run_config(r.dir) for r in found})
+    legend = {n: n + (f" ({', '.join(labels[n][:3])})" if labels[n] else "") for n in runs}
+    try:
+        path = compare.plot(runs, out, legend, metrics.split(",") if metrics else None)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(f"wrote {path}")

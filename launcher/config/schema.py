@@ -177,6 +177,10 @@ KEYS: list[Key] = [
     _k("PRESET_MTP_LOSS_COEFF", "float", 0, "preset", "weight of the MTP blocks' loss (0: MTP neither runs nor trains)"),
     _k("PRESET_SEED", "int", 1234, "preset", "seed for weights, data order and dropout"),
     _k("PRESET_STRICT_PREFLIGHT", "bool", 0, "preset", "treat preflight WARN as FAIL"),
+    _k("PRESET_BASELINE_RUN", "str", "", "preset",
+       "gate baseline: the run (id under V4_OUT) whose metrics this run must follow step by step"),
+    _k("PRESET_BASELINE_TOL", "float", 0.0, "preset",
+       "gate baseline: relative tolerance per metric (0: bit-identical)"),
     _k("PRESET_PLANT_NAN", "str", "", "preset", "fault injection for tests: MODULE:STEP[:forward|backward][@COND,...] makes that module's output NaN at "
        "that step (docs/nan.md)"),
     _k("PRESET_JOB_TIMEOUT", "float", 3600, "preset", "seconds a pipeline step may run before it is stopped"),

@@ -208,3 +208,22 @@ def test_a_stage_passed_with_other_settings_does_not_count(tmp_path):
     with pytest.raises(GateError, match=r"passed in run stageA-x, but with other cluster or hardware settings: V4_PYTHON"):
         check_stage_order(rl, force=False)
     check_stage_order(resolve(Selection(preset="rl_smoke", hw="cpu", sets=(f"V4_WORK={tmp_path}",))), force=False)
+
+
+def test_the_baseline_gate_follows_a_named_run(tmp_path):
+    """"This change must not move the loss": the run's metrics against a baseline run's, step by step."""
+    c = cfg(tmp_path)
+    base = tmp_path / "runs" / "stageA-base"
+    base.mkdir(parents=True)
+    write_run(tmp_path, [5.0, 4.0, 3.0]).rename(base / "r")
+    (base / "r" / "metrics.jsonl").rename(base / "metrics.jsonl")
+    same = write_run(tmp_path, [5.0, 4.0, 3.0])
+    gate = lambda run, **s: by_name(evaluate(["baseline"], run, cfg(tmp_path, **s)))["baseline"]
+    r = gate(same, PRESET_BASELINE_RUN="stageA-base")
+    assert r.passed and "follow stageA-base over 3 steps" in r.detail
+    (same / "metrics.jsonl").write_text((same / "metrics.jsonl").read_text().replace('"loss": 3.0', '"loss": 3.01'))
+    r = gate(same, PRESET_BASELINE_RUN="stageA-base")
+    assert not r.passed and "loss diverged from baseline stageA-base from step 3 (3.0 vs 3.01)" in r.detail
+    assert gate(same, PRESET_BASELINE_RUN="stageA-base", PRESET_BASELINE_TOL=0.01).passed
+    assert not gate(same, PRESET_BASELINE_RUN="stageA-none").passed
+    assert not gate(same).passed

@@ -57,6 +57,8 @@ def test_smoke_passes_its_gates(work):
     # the stage is recorded, so dryrun's stage-order check would accept this cluster/hw
     stages = json.loads((work / "runs/stages.json").read_text())
     assert stages["local/cpu"]["smoke"]["run_id"] == summary["run_id"]
+    # the train step (a Ray job here) leaves its curves and TensorBoard events in the run
+    assert (run / "plots/metrics.png").stat().st_size > 10_000 and list((run / "tb").glob("events.out.tfevents.*"))
 
 
 def test_planted_nan_stops_with_16_naming_the_module(work):

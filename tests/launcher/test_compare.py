@@ -1,0 +1,83 @@
+"""`v4 runs compare` and `v4 runs plot` on run directories with real metrics files, and the TensorBoard events a
+run writes, read back with TensorBoard's own reader."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jobs.common import RunContext
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_run(work: Path, run_id: str, losses, tp: int = 1) -> Path:
+    d = work / "runs" / run_id
+    d.mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps({"id": run_id, "status": "passed"}))
+    (d / "config.json").write_text(json.dumps({"values": {"PRESET_TP": tp, "PRESET_SEED": 1234}}))
+    rows = [{"step": i + 1, "loss": l, "grad_norm": 2.0 / (i + 1), "lr": 1e-3, "tokens_per_s": 900.0 + i,
+             "peak_mem_gb": 0.7} for i, l in enumerate(losses)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def v4(work: Path, *args):
+    return subprocess.run([sys.executable, "-m", "launcher", *args, "--set", f"V4_WORK={work}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+LOSS = [6.98, 5.51, 5.46, 4.35, 3.72, 3.39]
+
+
+def test_compare_says_identical_within_or_diverged_from_step_k(tmp_path):
+    make_run(tmp_path, "stageA-a", LOSS)
+    make_run(tmp_path, "stageA-b", LOSS)
+    make_run(tmp_path, "stageA-c", LOSS[:3] + [4.35 * (1 + 1e-7)] + LOSS[4:], tp=2)
+    make_run(tmp_path, "stageA-d", LOSS[:3] + [4.50, 3.80, 3.41])
+    r = v4(tmp_path, "runs", "compare", "stageA-a", "stageA-b", "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["ok"] and {v["verdict"] for v in out["verdicts"]} == {"identical"}
+    r = v4(tmp_path, "runs", "compare", "stageA-a", "stageA-c")
+    assert r.returncode == 1 and "step 4: 4.35 vs 4.350000435" in r.stdout and "PRESET_TP=1" in r.stdout
+    assert v4(tmp_path, "runs", "compare", "stageA-a", "stageA-c", "--tol", "1e-6").returncode == 0
+    r = v4(tmp_path, "runs", "compare", "stageA-a", "stageA-b", "stageA-d", "--json")
+    verdicts = {(v["run"], v["metric"]): v for v in json.loads(r.stdout)["verdicts"]}
+    assert r.returncode == 1 and verdicts[("stageA-d", "loss")]["first_diverged"] == 4
+    assert verdicts[("stageA-d", "grad_norm")]["verdict"] == "identical"
+    assert v4(tmp_path, "runs", "compare", "stageA-a").returncode == 2
+
+
+def test_plot_draws_every_run(tmp_path):
+    import matplotlib.image as mpimg
+    make_run(tmp_path, "stageA-a", LOSS)
+    make_run(tmp_path, "stageA-b", [x * 1.1 for x in LOSS], tp=2)
+    png = tmp_path / "cmp.png"
+    r = v4(tmp_path, "runs", "plot", "stageA-a", "stageA-b", "-o", str(png))
+    assert r.returncode == 0, r.stderr
+    img = mpimg.imread(png)[..., :3]                                       # a valid PNG, decoded
+    h, w, _ = img.shape
+    assert h > 300 and w > 600
+    # pixels of matplotlib's first two line colours (C0 blue, C1 orange): both runs are drawn, not a blank canvas
+    for rgb in ((0.122, 0.467, 0.706), (1.0, 0.498, 0.055)):
+        assert (np.abs(img - np.array(rgb)).max(-1) < 0.05).sum() > 200, rgb
+    assert (img.min(-1) < 0.9).mean() > 0.02                               # ink beyond the axes frames
+
+
+def test_metrics_rows_become_tensorboard_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    (tmp_path / "config.json").write_text(json.dumps({"values": {"V4_SOCKET_IFNAME": ""}}))
+    ctx = RunContext.load(tmp_path)
+    for step, loss in enumerate(LOSS, 1):
+        ctx.write_metrics({"step": step, "loss": loss, "grad_norm": 1.0 / step, "note": "text is skipped"})
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"loss", "grad_norm"}
+    events = acc.Scalars("loss")
+    assert [e.step for e in events] == [1, 2, 3, 4, 5, 6]
+    assert [round(e.value, 5) for e in events] == LOSS
