@@ -8,6 +8,7 @@ import click
 
 from launcher.cli_options import config_options, load_config
 from launcher.errors import CLUSTER_FAILED
+from launcher.table import table
 
 
 @click.group("cluster")
@@ -30,8 +31,7 @@ def render_status(st) -> str:
     for n in st.extra_nodes:
         rows.append((n["ip"], "EXTRA", n["hostname"], n["state"], f"{n['resources'].get('CPU', 0):g}",
                      f"{n['resources'].get('GPU', 0):g}", "-", "-"))
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append(table(rows))
     if st.jobs is not None:
         by = {}
         for j in st.jobs:

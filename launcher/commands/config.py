@@ -8,6 +8,7 @@ import click
 from launcher.cli_options import config_options, load_config
 from launcher.config import KEYS, load
 from launcher.errors import ConfigError
+from launcher.table import table
 
 
 def _json(obj) -> str:
@@ -34,18 +35,14 @@ def show(selection, explain, as_json, no_check):
     rows = cfg.explain()
     click.echo(f"# cluster={cfg.selection.cluster} hw={cfg.selection.hw} preset={cfg.selection.preset or '-'}", err=True)
     if not explain:
-        width = max(len(r["key"]) for r in rows)
-        for r in rows:
-            click.echo(f"{r['key']:<{width}}  {_fmt(r['value'])}")
+        click.echo(table([(r["key"], _fmt(r["value"])) for r in rows]))
         return
-    table = [("KEY", "VALUE", "FROM", "OVERRODE")]
+    out = [("KEY", "VALUE", "FROM", "OVERRODE")]
     for r in rows:
         o = r["overrode"]
-        table.append((r["key"], _fmt(r["value"]), r["from"] + (f" = {r['written']}" if r["written"] else ""),
-                      "" if o is None else f"{o['value']!r} ({o['from']})"))
-    widths = [min(max(len(row[i]) for row in table), 48) for i in range(3)]
-    for row in table:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3])
+        out.append((r["key"], _fmt(r["value"]), r["from"] + (f" = {r['written']}" if r["written"] else ""),
+                    "" if o is None else f"{o['value']!r} ({o['from']})"))
+    click.echo(table(out))
 
 
 @config.command("validate")
