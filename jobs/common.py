@@ -184,14 +184,15 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def byte_progress(label: str, every: float = 0.1):
-    """A (done, total, name) callback that logs each `every` fraction of the way."""
+def byte_progress(label: str, every: float = 0.1, unit: str = "MB"):
+    """A (done, total, name) callback that logs each `every` fraction of the way; `done`/`total` count bytes
+    (unit "MB") or anything else counted in millions (e.g. unit "M params")."""
     state = {"next": 0.0, "t0": time.time()}
 
-    def report(done_bytes: int, total: int, name: str) -> None:
-        frac = done_bytes / total if total else 1.0
-        if frac >= state["next"] or done_bytes >= total:
-            rate = done_bytes / max(time.time() - state["t0"], 1e-9) / 1e6
-            log(f"{label}: {frac:6.1%} ({done_bytes / 1e6:.1f}/{total / 1e6:.1f} MB, {rate:.0f} MB/s) {name}")
+    def report(done: int, total: int, name: str) -> None:
+        frac = done / total if total else 1.0
+        if frac >= state["next"] or done >= total:
+            rate = done / max(time.time() - state["t0"], 1e-9) / 1e6
+            log(f"{label}: {frac:6.1%} ({done / 1e6:.1f}/{total / 1e6:.1f} {unit}, {rate:.0f} {unit}/s) {name}")
             state["next"] = frac + every
     return report

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.common import RunContext, done, fingerprint, log, mark_done, ranks_local, sentinel_path
+from jobs.common import RunContext, byte_progress, done, fingerprint, log, mark_done, ranks_local, sentinel_path
 
 
 @dataclass
@@ -35,9 +35,10 @@ class ConvertJob:
 class BF16Reader:
     """read(official_name, index) -> that slice of the tensor in a BF16 HF (or official-named) checkpoint."""
 
-    def __init__(self, directory: Path, n_layers: int):
+    def __init__(self, directory: Path, n_layers: int, progress=None, total: int = 0):
         from dsv4.checkpoint import INDEX, official_to_hf
         self.dir, self.n_layers, self._to_hf = Path(directory), n_layers, official_to_hf
+        self.progress, self.total, self.done = progress, total, 0      # parameters read, of `total`
         index = self.dir / INDEX
         if index.is_file():
             self.files = json.loads(index.read_text())["weight_map"]
@@ -62,7 +63,11 @@ class BF16Reader:
         f = self.files[key]
         if f not in self._open:
             self._open[f] = safe_open(self.dir / f, "pt")
-        return self._open[f].get_slice(key)[index]
+        t = self._open[f].get_slice(key)[index]
+        if self.progress is not None:
+            self.done += t.numel()
+            self.progress(self.done, self.total, name)
+        return t
 
 
 def worker(rank: int, world: int, master_addr: str, master_port: int, job: ConvertJob) -> int:
@@ -80,8 +85,12 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: Conve
     # every MTP/indexer parameter must be built (and so converted) whatever the training objective
     stage = model_provider(job.model, job.layout, Objective(mtp_coeff=1.0, indexer_coeff=1.0))
     t0 = time.time()
-    stage.load_weights(BF16Reader(Path(job.src), job.model.n_layers))
     n = sum(p.numel() for p in stage.parameters())
+    # rank 0 reports its share (the ranks read theirs alongside)
+    progress = byte_progress("convert (rank 0 reading)", every=0.2, unit="M params") if rank == 0 else None
+    stage.load_weights(BF16Reader(Path(job.src), job.model.n_layers, progress, n))
+    if rank == 0:
+        log(f"convert: saving the megatron checkpoint ({n / 1e6:.1f} M parameters on rank 0)")
     tmp = Path(f"{job.dst}.tmp-{Path(job.run_dir).name}")      # one name for all ranks; another run's is another
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
