@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsv4.fileio import atomic_write
-from jobs.common import RunContext, log
+from jobs.common import RunContext, log, ranks_local
 from jobs.train_sft import DATA_SEED_OFFSET, SFTData, tokenizer_dirs, train_config, world_size
 
 
@@ -172,8 +172,8 @@ def main(argv=None) -> int:
     log(f"nan replay: step {cap['step']} from {cap['checkpoint']}, switches {rung.get('switches') or 'none'}"
         + (f", sample {rung['sample']}" if rung.get("sample") else "") + f", world {world}")
     from dsv4.megatron.launch import launch
-    # a rung's ranks are processes on this machine (a replay of one step needs no Ray placement)
-    return launch(worker, world, job, tc.device, 0, log, local=True)
+    # as the run's own train step: ranks as local processes, or Ray actors when the rung is a Ray job
+    return launch(worker, world, job, tc.device, 0, log, local=ranks_local(cfg) or "RAY_ADDRESS" not in os.environ)
 
 
 if __name__ == "__main__":

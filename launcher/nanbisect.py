@@ -105,13 +105,17 @@ def sample_of(forensics: dict, capture: dict) -> dict | None:
 
 
 class Ladder:
-    """Runs rungs as jobs on this machine, `parallel` at a time (each on its own GPUs when there are GPUs)."""
+    """Runs rungs as jobs: Ray jobs on the run's cluster when it ran under the Ray executor (their ranks Ray actors,
+    placed by Ray), else processes on this machine, `parallel` at a time (each on its own GPUs when there are)."""
 
-    def __init__(self, run_dir: Path, out: Path, world: int, device: str, parallel: int, timeout: float, log):
+    def __init__(self, run_dir: Path, out: Path, world: int, device: str, parallel: int, timeout: float, log,
+                 cfg=None):
         self.run_dir, self.out, self.world, self.timeout, self.log = run_dir, out, world, timeout, log
+        self.cfg = cfg if cfg is not None and cfg["V4_EXECUTOR"] == "ray" else None
         gpus = _gpu_count() if device == "cuda" else 0
         room = max(1, gpus // max(world, 1)) if device == "cuda" else max(1, (os.cpu_count() or 1) // max(world, 1))
-        self.parallel = max(1, min(parallel or room, room))
+        # Ray places a rung's ranks itself and queues what does not fit: a few in flight at once
+        self.parallel = max(1, parallel or 4) if self.cfg is not None else max(1, min(parallel or room, room))
         self.slots = list(range(self.parallel))
         self.gpus = gpus
         self.rungs: list[RungResult] = []
@@ -130,14 +134,17 @@ class Ladder:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(slot * n, slot * n + n))
         t0 = time.perf_counter()
         rr = RungResult(name, list(switches), spec.get("sample"))
-        with open(d / "log", "w") as logf:
-            try:
-                p = subprocess.run([sys.executable, "-m", "jobs.nan_replay", "--run-dir", str(self.run_dir),
-                                    "--rung-dir", str(d)], cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                   timeout=self.timeout)
-                code = p.returncode
-            except subprocess.TimeoutExpired:
-                code = 124
+        if self.cfg is not None:
+            code = self._ray_job(name, d)
+        else:
+            with open(d / "log", "w") as logf:
+                try:
+                    p = subprocess.run([sys.executable, "-m", "jobs.nan_replay", "--run-dir", str(self.run_dir),
+                                        "--rung-dir", str(d)], cwd=ROOT, env=env, stdout=logf,
+                                       stderr=subprocess.STDOUT, timeout=self.timeout)
+                    code = p.returncode
+                except subprocess.TimeoutExpired:
+                    code = 124
         rr.seconds = round(time.perf_counter() - t0, 1)
         if (d / "result.json").is_file():
             rr.result = json.loads((d / "result.json").read_text())
@@ -150,6 +157,24 @@ class Ladder:
         self.log(f"  rung {name:<28} {state:<11} {rr.seconds:6.1f} s")
         return rr
 
+    def _ray_job(self, name: str, d: Path) -> int:
+        """The rung as a Ray job on the run's cluster, submitted and followed like a pipeline step."""
+        import shlex
+
+        from launcher import jobs
+        from launcher.plan import JobSpec, job_env, working_dir_excludes
+        from launcher.nodes import python_on_nodes
+        cfg, run = self.cfg, str(self.run_dir)
+        job = JobSpec(
+            submission_id=f"{self.run_dir.name}-nan-{name}-{int(time.time())}",
+            entrypoint=f"{shlex.quote(python_on_nodes(cfg))} -m jobs.nan_replay --run-dir {shlex.quote(run)} "
+                       f"--rung-dir {shlex.quote(str(d))}",
+            runtime_env={"working_dir": str(ROOT), "excludes": working_dir_excludes(ROOT),
+                         "env_vars": {**job_env(cfg, run), "V4_JOB_DRIVER_CPUS": "1"}},
+            entrypoint_num_cpus=1, entrypoint_num_gpus=0, timeout_s=self.timeout, submit="")
+        out = jobs.submit_and_wait(cfg, job, log_path=d / "log", progress=lambda m: None)
+        return out.exit_code if out.exit_code is not None else 1
+
     def run_many(self, specs: list[tuple[str, list[str], dict | None]]) -> list[RungResult]:
         if self.parallel == 1 or len(specs) == 1:
             return [self.run(*s) for s in specs]
@@ -159,16 +184,19 @@ class Ladder:
 
 
 def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0, kernel: bool = True,
-           log=lambda m: print(m, file=sys.stderr, flush=True)) -> Report:
+           log=lambda m: print(m, file=sys.stderr, flush=True), cluster_cfg=None) -> Report:
+    """`cluster_cfg`: the launcher's configuration of the run's cluster; with the Ray executor the rungs are Ray
+    jobs there."""
     from jobs.nan_replay import load_capture
     from jobs.train_sft import world_size
     t0 = time.perf_counter()
     cfg = json.loads((run_dir / "config.json").read_text())["values"]
     capture = load_capture(run_dir)
     report = Report(run_dir.name, capture["step"], False, "")
-    ladder = Ladder(run_dir, out, world_size(cfg), cfg["HW_DEVICE"], parallel, timeout, log)
-    log(f"nan bisect {run_dir.name}: step {capture['step']} from {Path(capture['checkpoint']).name}; "
-        f"{ladder.parallel} rung(s) at a time")
+    ladder = Ladder(run_dir, out, world_size(cfg), cfg["HW_DEVICE"], parallel, timeout, log, cluster_cfg)
+    where = "as Ray jobs on the cluster" if ladder.cfg is not None else "as processes on this machine"
+    log(f"nan bisect {run_dir.name}: step {capture['step']} from {Path(capture['checkpoint']).name}; rungs {where}, "
+        f"{ladder.parallel} at a time")
 
     def finish(verdict: str, code: int) -> Report:
         report.verdict, report.exit_code = verdict, code

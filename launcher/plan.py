@@ -212,11 +212,13 @@ def job_step(cfg: Config, name: str, run_id: str, run_dir: str, excludes: list[s
     entrypoint = f"{shlex.quote(python_on_nodes(cfg))} -m {d.module} --run-dir {shlex.quote(run_dir)}"
     runtime_env = {"working_dir": str(cfg.selection.root),
                    "excludes": excludes, "env_vars": job_env(cfg, run_dir)}
+    # The driver is light: training ranks are Ray actors that reserve the GPUs themselves. It holds its CPU while
+    # they wait for theirs, which the ranks' placement check counts (dsv4/megatron/launch.py).
+    runtime_env["env_vars"]["V4_JOB_DRIVER_CPUS"] = "1"
     job = JobSpec(
         submission_id=f"{run_id}-{name}",
         entrypoint=entrypoint,
         runtime_env=runtime_env,
-        # The driver is light: training ranks are Ray actors that reserve the GPUs themselves.
         entrypoint_num_cpus=1,
         entrypoint_num_gpus=0,
         timeout_s=cfg["PRESET_JOB_TIMEOUT"],

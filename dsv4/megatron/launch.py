@@ -117,12 +117,16 @@ def _launch_ray(fn, world, payload, device, master_port, log) -> int:
     gpu = device == "cuda"
     bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
     total = ray.cluster_resources()
-    short = {k: (v * world, total.get(k, 0)) for k, v in bundle.items() if total.get(k, 0) < v * world}
+    # a pipeline step's driver is a Ray job that holds its own entrypoint CPU(s) while the ranks wait for theirs
+    held = {"CPU": float(os.environ.get("V4_JOB_DRIVER_CPUS") or 0)}
+    short = {k: (v * world, total.get(k, 0), held.get(k, 0)) for k, v in bundle.items()
+             if total.get(k, 0) - held.get(k, 0) < v * world}
     if short:
         # more than the whole cluster has: no amount of waiting places it
         log(f"error: {world} ranks of {bundle} can never be placed: they need "
-            + ", ".join(f"{n:g} {k}" for k, (n, _) in short.items()) + ", the whole Ray cluster has "
-            + ", ".join(f"{have:g} {k}" for k, (_, have) in short.items())
+            + ", ".join(f"{n:g} {k}" for k, (n, _, _) in short.items()) + ", the whole Ray cluster has "
+            + ", ".join(f"{have:g} {k}" + (f" ({h:g} held by this job's driver)" if h else "")
+                        for k, (_, have, h) in short.items())
             + "; run fewer ranks, or give Ray more (more nodes, or V4_RAY_NUM_CPUS on a CPU cluster)")
         return 1
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")

@@ -92,7 +92,7 @@ def bisect_run(selection, run_ref, parallel, timeout, no_kernel, out_dir, as_jso
     out = Path(out_dir) if out_dir else run.dir / "nan-bisect"
     try:
         report = nanbisect.bisect(run.dir, out, parallel=parallel, timeout=timeout, kernel=not no_kernel,
-                                  log=lambda m: click.echo(m, err=True))
+                                  log=lambda m: click.echo(m, err=True), cluster_cfg=cfg)
     except FileNotFoundError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(nanbisect.USAGE)

@@ -140,3 +140,21 @@ def _token_in_one_row(run: Path) -> tuple[int, int]:
         if len(rows) == 1:
             return int(t), rows[0]
     pytest.skip("no token occurs in exactly one row of step 3")
+
+
+@pytest.mark.slow
+def test_rungs_run_as_ray_jobs_under_the_ray_executor(tmp_path_factory):
+    """The run's own executor: the train step a Ray job on the local Ray cluster, and so is every rung."""
+    work = tmp_path_factory.mktemp("nanray")
+    try:
+        r = v4(work, "run", "--preset", "smoke", "--force", "--set", "PRESET_PLANT_NAN=layers.1.attn:3@fp8",
+               "--set", "PRESET_MODEL_OVERRIDES=fp8_gemm_inputs=1")
+        assert r.returncode == 16, r.stderr[-3000:]
+        run = max((work / "runs").glob("stageA-*"), key=lambda p: p.stat().st_mtime)
+        r, report = bisect(work, run)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "rungs as Ray jobs on the cluster" in r.stderr and report["culprit"] == ["fp8_off"]
+        log = (run / "nan-bisect/rungs/fp8_off/log").read_text()
+        assert "nan replay: step 3" in log
+    finally:
+        v4(work, "cluster", "down")
