@@ -272,3 +272,29 @@ def test_a_truncated_shard_or_a_broken_config_is_named_before_anything_is_writte
     with pytest.raises(ck.CheckpointError, match=r"config.json: not valid JSON \(.* at line 2, column 1\)"):
         ck.dequantize_checkpoint(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_transformers_loads_the_official_names_with_nothing_missing_or_unexpected(tmp_path):
+    """HF transformers' own DeepSeek-V4 model (5.x) loads the Hub layout, whose tensor names are the official ones
+    (it renames and fuses them on load): `--names official` output, from_pretrained, every key accounted for.
+    Its config knows compression ratios 4 and 128 only, hence the tiny model with 128 in place of 16."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+    cfg = ModelConfig.preset("tiny", compress_ratios=[0, 4, 128, 4, 0])
+    ck.generate_checkpoint(cfg, tmp_path / "released")
+    ck.dequantize_checkpoint(tmp_path / "released", tmp_path / "bf16", names="official")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), output_loading_info=True)
+    assert info["missing_keys"] == set() or info["missing_keys"] == []
+    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ours = Transformer(cfg)
+    sd = dict(ours.named_parameters())
+    # the loaded values are ours: the embedding, and an expert fused from our w1/w3 (MXFP4 in the release)
+    assert torch.equal(model.model.embed_tokens.weight.float(), sd["embed.weight"].bfloat16().float())
+    fused = model.model.layers[1].mlp.experts.gate_up_proj[2].float()
+    w1 = sd["layers.1.ffn.experts.2.w1.weight"]
+    assert fused.shape[0] == 2 * w1.shape[0] and torch.isfinite(fused).all()
+    assert torch.allclose(fused[: w1.shape[0]], quant.mxfp4_weight_qdq(w1.detach()).float(), atol=1e-2)
