@@ -171,3 +171,49 @@ def plot(runs: dict[str, list[dict]], out: Path, labels: dict[str, str] | None =
 
 def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def read_records(path: Path) -> list[dict]:
+    """Benchmark records (benchmarks/records/*.jsonl): one JSON object a line, with date, commit, benchmark and
+    metrics; file order is measurement order."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not a JSON record ({e})") from None
+    return out
+
+
+def plot_records(records: list[dict], benchmarks: list[str], metric: str, out: Path) -> Path:
+    """`metric` of each named benchmark across its records (x: the record's date and commit), one line each."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {b: [r for r in records if r.get("benchmark") == b and _finite(r.get("metrics", {}).get(metric))]
+              for b in benchmarks}
+    empty = [b for b, rs in series.items() if not rs]
+    if empty:
+        known = sorted({r.get("benchmark") for r in records if metric in r.get("metrics", {})})
+        raise ValueError(f"no {metric} for {', '.join(empty)}; benchmarks with {metric}: {', '.join(known)}")
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * max(len(rs) for rs in series.values())), 4.0))
+    for b, rs in series.items():
+        ax.plot(range(len(rs)), [r["metrics"][metric] for r in rs], marker="o", label=b)
+        for i, r in enumerate(rs):
+            ax.annotate((r.get("commit") or "")[:7], (i, r["metrics"][metric]), fontsize=7,
+                        textcoords="offset points", xytext=(0, 5), ha="center")
+    longest = max(series.values(), key=len)
+    ax.set_xticks(range(len(longest)), [r.get("date", "") for r in longest], rotation=30, fontsize=7)
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out)
+    return out

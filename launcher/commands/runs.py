@@ -232,13 +232,28 @@ def compare_cmd(selection, run_refs, metrics, tol, show_steps, as_json):
 
 @runs.command("plot")
 @config_options()
-@click.argument("run_refs", metavar="RUN [RUN ...]", nargs=-1, required=True)
+@click.argument("run_refs", metavar="RUN [RUN ...]", nargs=-1)
 @click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False), help="the PNG to write")
 @click.option("--metrics", help="comma-separated metrics [loss, grad_norm, lr, tokens_per_s, peak_mem_gb; RL: reward "
-              "and logprob mismatch]")
-def plot_cmd(selection, run_refs, out, metrics):
-    """Plot metrics against step, the runs overlaid; the legend names each run's differing settings."""
+              "and logprob mismatch]; with --records, the one metric to plot [tflops]")
+@click.option("--records", type=click.Path(exists=True, dir_okay=False),
+              help="plot benchmark records instead (e.g. benchmarks/records/kernels.jsonl): --benchmark across dates")
+@click.option("--benchmark", "benchmarks", multiple=True, help="a benchmark id in --records (repeatable)")
+def plot_cmd(selection, run_refs, out, metrics, records, benchmarks):
+    """Plot metrics against step, the runs overlaid; the legend names each run's differing settings. With
+    --records: a benchmark's figure across its dated records (commit on each point)."""
     from launcher import compare, registry
+    if records:
+        if run_refs or not benchmarks:
+            raise click.UsageError("--records plots --benchmark ID (repeatable), not runs")
+        try:
+            path = compare.plot_records(compare.read_records(records), list(benchmarks), metrics or "tflops", out)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        click.echo(f"wrote {path}")
+        return
+    if not run_refs:
+        raise click.UsageError("name the runs to plot (or --records FILE --benchmark ID)")
     cfg = load_config(selection)
     found = [registry.find_run(cfg, r) for r in run_refs]
     runs = {r.id: compare.read_metrics(r.dir) for r in found}

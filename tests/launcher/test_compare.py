@@ -81,3 +81,20 @@ def test_metrics_rows_become_tensorboard_scalars(tmp_path):
     events = acc.Scalars("loss")
     assert [e.step for e in events] == [1, 2, 3, 4, 5, 6]
     assert [round(e.value, 5) for e in events] == LOSS
+
+
+def test_benchmark_records_plot_across_commits(tmp_path):
+    """The shipped kernel records parse, and a benchmark's TFLOP/s across them makes a non-blank PNG."""
+    import matplotlib.image as mpimg
+    from launcher import compare
+    records = compare.read_records(ROOT / "benchmarks/records/kernels.jsonl")
+    assert len(records) > 20 and all({"date", "benchmark", "metrics"} <= set(r) for r in records)
+    png = tmp_path / "rec.png"
+    r = v4(tmp_path, "runs", "plot", "--records", str(ROOT / "benchmarks/records/kernels.jsonl"),
+           "--benchmark", "sparse_attn_fwd_flash", "-o", str(png))
+    assert r.returncode == 0, r.stderr
+    img = mpimg.imread(png)[..., :3]
+    assert (np.abs(img - np.array((0.122, 0.467, 0.706))).max(-1) < 0.05).sum() > 200
+    r = v4(tmp_path, "runs", "plot", "--records", str(ROOT / "benchmarks/records/kernels.jsonl"),
+           "--benchmark", "nope", "-o", str(png))
+    assert r.returncode == 2 and "benchmarks with tflops: " in r.stderr
