@@ -1,13 +1,14 @@
 """Dequantizer throughput on a generated checkpoint, next to a plain copy of the same bytes (same run).
 
     .venv/bin/python benchmarks/bench_dequant.py [--dir /tmp/dsv4-bench] [--preset 4layer]
-        [--set 'n_routed_experts=8 vocab_size=32768'] [--threads 1] [--keep]
+        [--set 'n_routed_experts=8 vocab_size=32768'] [--threads 1] [--workers 2] [--keep]
 
 Generates a released-layout checkpoint (FP8 + MXFP4, >= 1 GB with the defaults), then times
   1. a plain copy of its shard files, twice: shutil.copyfile (an in-kernel copy_file_range on Linux) and a
      user-space read/write loop in 64 MiB chunks (the path any program that transforms bytes must take),
   2. reading and dequantizing every tensor without writing (the compute part alone), and
-  3. `dequantize_checkpoint` into BF16 shards (read, dequantize, write, fsync),
+  3. `dequantize_checkpoint` into BF16 shards (read, dequantize, write, fsync), in one process and with
+     `workers` processes converting shards at once,
 and prints MB/s of input bytes for both (and MB/s of output bytes for the dequantizer). Both read the source
 from the page cache, since the generator has just written it. Everything is deleted at the end unless --keep.
 """
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=["n_routed_experts=8 vocab_size=32768"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--shard-gb", type=float, default=1.0)
+    ap.add_argument("--workers", type=int, default=2, help="also time dequantize_checkpoint(workers=N), N > 1")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
     if a.threads:
@@ -79,6 +81,12 @@ def main() -> None:
     t = time.perf_counter()
     s = dequantize_checkpoint(src, dst, shard_bytes=shard_bytes)
     t_deq = time.perf_counter() - t
+    t_par = None
+    if a.workers > 1:
+        shutil.rmtree(dst)
+        t = time.perf_counter()
+        dequantize_checkpoint(src, dst, shard_bytes=shard_bytes, workers=a.workers)
+        t_par = time.perf_counter() - t
 
     print(f"{'step':<24} {'seconds':>8} {'MB/s (input bytes)':>19} {'MB/s (output bytes)':>20}")
     print(f"{'copyfile + fsync':<24} {t_copy:>8.2f} {nbytes / 1e6 / t_copy:>19.0f} {nbytes / 1e6 / t_copy:>20.0f}")
@@ -86,6 +94,9 @@ def main() -> None:
     print(f"{'read + dequantize only':<24} {t_compute:>8.2f} {s.bytes_in / 1e6 / t_compute:>19.0f} "
           f"{s.bytes_out / 1e6 / t_compute:>20.0f}")
     print(f"{'dequantize to bf16':<24} {t_deq:>8.2f} {s.bytes_in / 1e6 / t_deq:>19.0f} {s.bytes_out / 1e6 / t_deq:>20.0f}")
+    if t_par:
+        print(f"{f'dequantize, {a.workers} workers':<24} {t_par:>8.2f} {s.bytes_in / 1e6 / t_par:>19.0f} "
+              f"{s.bytes_out / 1e6 / t_par:>20.0f}")
     print(f"dequantize time / copy time: {t_deq / t_copy:.2f}x (copyfile), {t_deq / t_ucopy:.2f}x (read/write); "
           f"output {s.bytes_out / 1e6:.0f} MB in {s.n_shards} shard(s), {s.bytes_out / nbytes:.2f}x the input bytes")
     if not a.keep:

@@ -482,10 +482,12 @@ def _plan_fingerprint(src_tensors: dict[str, SourceTensor]) -> str:
 
 
 def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False, names: str = "hf",
-                          shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None) -> DequantSummary:
+                          shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None,
+                          workers: int = 1) -> DequantSummary:
     """Released-layout checkpoint (FP8 + MXFP4, official or HF names) -> BF16 safetensors shards + index in
     `dst`, with config.json, tokenizer and encoder files copied. Resumes an interrupted run into the same
-    `dst`; refuses a non-empty `dst` that is not such a run unless force."""
+    `dst`; refuses a non-empty `dst` that is not such a run unless force. `workers` > 1 converts that many
+    output shards at once in separate processes (shards are independent; progress then moves shard by shard)."""
     if names not in ("hf", "official"):
         raise ValueError(f"names={names!r}: use 'hf' or 'official'")
     src, dst = Path(src), Path(dst)
@@ -540,32 +542,41 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
         atomic_write(plan_path, json.dumps(plan) + "\n")
 
     # ---- convert shard by shard
-    reader, weight_map = _Reader(), {}
+    weight_map = {}
     bytes_in = sum(_nbytes(t.dtype, t.shape) for t in raw.values())
     bytes_out = sum(n for _, n in items)
     done = written = skipped = 0
+    todo = []
     for shard, params in zip(plan["shards"], groups):
         entries = [(n, d, tuple(s)) for n, d, s in shard["tensors"]]
-        final = dst / shard["file"]
         for n, _, _ in entries:
             weight_map[n] = shard["file"]
-        shard_bytes_out = sum(_nbytes(d, s) for _, d, s in entries)
-        if _shard_is_complete(final, entries):
+        if _shard_is_complete(dst / shard["file"], entries):
             skipped += 1
-            done += shard_bytes_out
+            done += sum(_nbytes(d, s) for _, d, s in entries)
             if progress:
                 progress(done, bytes_out, f"(already complete) {shard['file']}")
             continue
-        with ShardWriter(final, entries) as writer:
-            for p, (n, dtype, shape) in zip(params, entries):
-                t = _dequantize_param(p, formats[p], tensors, raw_name, reader)
-                if tuple(t.shape) != shape:
-                    raise CheckpointError(f"{p}: dequantized to {list(t.shape)}, config expects {list(shape)}")
-                writer.write(n, t.to(_TORCH_DTYPES[dtype]))
-                done += _nbytes(dtype, shape)
+        todo.append((dst / shard["file"], entries, params))
+    job = _ShardJob(formats, tensors, raw_name)
+    if workers > 1 and len(todo) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+        threads = max(1, torch.get_num_threads() // workers)     # the cores are shared out, not oversubscribed
+        with ProcessPoolExecutor(min(workers, len(todo)), mp_context=mp.get_context("spawn"),
+                                 initializer=torch.set_num_threads, initargs=(threads,)) as pool:
+            futures = {pool.submit(job, *t): t[0] for t in todo}
+            for f in as_completed(futures):
+                done += f.result()
+                written += 1
                 if progress:
-                    progress(done, bytes_out, n)
-        written += 1
+                    progress(done, bytes_out, futures[f].name)
+    else:
+        reader = _Reader()
+        for final, entries, params in todo:
+            done += job(final, entries, params, reader,
+                        (lambda n, b: progress(done + b, bytes_out, n)) if progress else None)
+            written += 1
 
     # ---- side files, then the index (its presence marks a finished conversion)
     out_cfg = dict(hf_cfg)
@@ -593,6 +604,33 @@ def _dequantize_param(name: str, fmt: str, tensors: dict[str, SourceTensor], raw
         s = reader.get(tensors[_scale_name(name)], raw_name[_scale_name(name)])
         return quant.mxfp4_dequant(w, s, torch.bfloat16)
     return w
+
+
+def default_workers() -> int:
+    """Shards converted at once by default: half the cores (each worker also holds one tensor in memory), at most 4."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+@dataclass
+class _ShardJob:
+    """Converts one output shard (picklable: a worker process gets it whole and opens the sources itself)."""
+    formats: dict
+    tensors: dict
+    raw_name: dict
+
+    def __call__(self, final: Path, entries: list, params: list, reader: "_Reader | None" = None,
+                 progress: Callable[[str, int], None] | None = None) -> int:
+        reader, written = reader or _Reader(), 0
+        with ShardWriter(final, entries) as writer:
+            for p, (n, dtype, shape) in zip(params, entries):
+                t = _dequantize_param(p, self.formats[p], self.tensors, self.raw_name, reader)
+                if tuple(t.shape) != shape:
+                    raise CheckpointError(f"{p}: dequantized to {list(t.shape)}, config expects {list(shape)}")
+                writer.write(n, t.to(_TORCH_DTYPES[dtype]))
+                written += _nbytes(dtype, shape)
+                if progress:
+                    progress(n, written)
+        return written
 
 
 # ================================================================================================ loading

@@ -19,14 +19,15 @@ def main(argv=None) -> int:
     if done(dst, inputs):
         log(f"BF16 checkpoint already complete at {dst}; skipped")
         return 0
-    from dsv4.checkpoint import CheckpointError, dequantize_checkpoint
+    from dsv4.checkpoint import CheckpointError, default_workers, dequantize_checkpoint
 
     log(f"dequantizing {src} -> {dst}")
     try:
         # force only when what is there was made from another source (ours, stale); an interrupted
         # run into the same destination is resumed by the dequantizer itself
         stale = sentinel_path(dst).is_file()
-        s = dequantize_checkpoint(src, dst, force=stale, progress=byte_progress("dequantize"))
+        s = dequantize_checkpoint(src, dst, force=stale, progress=byte_progress("dequantize"),
+                                  workers=default_workers())
     except CheckpointError as e:
         log(f"error: {e}")
         return 1

@@ -92,11 +92,13 @@ def generate(model, out, seed, overrides, shard_gb, force, as_json):
 @click.option("--shard-gb", type=float, default=4.0, show_default=True, help="Output shard size limit in GiB.")
 @click.option("--force", is_flag=True, help="Replace a non-empty destination (otherwise only an interrupted "
               "conversion of the same source is resumed).")
+@click.option("--workers", type=int, default=0, show_default="half the cores, at most 4",
+              help="Output shards converted at once, each in its own process.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def dequantize(src, dst, names, shard_gb, force, as_json):
+def dequantize(src, dst, names, shard_gb, force, workers, as_json):
     """Convert a released FP8/MXFP4 checkpoint in SRC to BF16 shards + index in DST (fp32 tensors such as
     attn_sink, hc_* and ape stay fp32). Streams tensor by tensor; rerun the same command to resume."""
-    from dsv4.checkpoint import CheckpointError, dequantize_checkpoint
+    from dsv4.checkpoint import CheckpointError, default_workers, dequantize_checkpoint
 
     if not src.is_dir():
         raise click.UsageError(f"SRC {src} is not a directory; pass the checkpoint directory holding config.json "
@@ -105,7 +107,7 @@ def dequantize(src, dst, names, shard_gb, force, as_json):
     t0 = time.monotonic()
     try:
         s = dequantize_checkpoint(src, dst, force=force, names=names, shard_bytes=int(shard_gb * (1 << 30)),
-                                  progress=bar)
+                                  progress=bar, workers=workers or default_workers())
     except (FileExistsError, CheckpointError) as e:
         raise click.UsageError(str(e)) from None
     finally:

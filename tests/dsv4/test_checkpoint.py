@@ -298,3 +298,12 @@ def test_transformers_loads_the_official_names_with_nothing_missing_or_unexpecte
     w1 = sd["layers.1.ffn.experts.2.w1.weight"]
     assert fused.shape[0] == 2 * w1.shape[0] and torch.isfinite(fused).all()
     assert torch.allclose(fused[: w1.shape[0]], quant.mxfp4_weight_qdq(w1.detach()).float(), atol=1e-2)
+
+
+def test_workers_write_the_same_shards(generated, bf16, tmp_path):
+    """Shards converted in two processes at once are the bytes one process writes."""
+    s = ck.dequantize_checkpoint(generated, tmp_path / "par", shard_bytes=900_000, workers=2)
+    assert s.shards_written == s.n_shards > 1
+    for f in bf16.glob("model-*.safetensors"):
+        assert (tmp_path / "par" / f.name).read_bytes() == f.read_bytes()
+    assert (tmp_path / "par" / ck.INDEX).read_text() == (bf16 / ck.INDEX).read_text()
