@@ -436,6 +436,9 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
         "tokens_per_s": (sum(r.get("tokens_per_s", 0) for r in steady) / len(steady)) if steady else None,
         "peak_mem_gb": max((r.get("peak_mem_gb") or 0) for r in rows) if rows else None,
     }
+    for key in ("model_tflops", "mfu"):           # SFT steps: model FLOPs (dsv4/flops.py) and MFU, steady steps
+        vals = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
+        summary[key] = sum(vals) / len(vals) if vals else None
     rl = cfg["PRESET_MODE"] == "rl" and any("reward_mean" in r for r in rows)
     if rl:   # the reward curve's start and end: the mean of the gate's first and last windows
         w = max(1, min(cfg["PRESET_RL_GATE_WINDOW"], len(rows)))
@@ -448,8 +451,10 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
     fmt = lambda v, f: "-" if v is None else format(v, f)
     progress = (f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} (first/last {w} steps)"
                 if rl else f"loss {fmt(summary['loss_first'], '.4f')} -> {fmt(summary['loss_last'], '.4f')}")
+    speed = "" if summary["model_tflops"] is None else f", {summary['model_tflops']:.3g} TFLOP/s" + (
+        f" (MFU {summary['mfu']:.1%} of {cfg['HW_PEAK_TFLOPS']:g} a GPU)" if summary["mfu"] is not None else "")
     say(f"\nrun {plan.run_id} PASSED in {elapsed:.0f} s: {summary['steps']} steps, {progress}, "
-        f"{fmt(summary['step_time_s'], '.2f')} s/step, {fmt(summary['tokens_per_s'], '.0f')} tokens/s, "
+        f"{fmt(summary['step_time_s'], '.2f')} s/step, {fmt(summary['tokens_per_s'], '.0f')} tokens/s{speed}, "
         f"peak {fmt(summary['peak_mem_gb'], '.2f')} GB")
     say("next:")
     say(f"  {runs_command(cfg, 'show', plan.run_id)}")

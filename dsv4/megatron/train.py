@@ -64,6 +64,7 @@ class TrainConfig:
     recompute: str = "none"               # none | full (recompute each transformer block in backward)
     device: str = "cpu"                   # cpu | cuda
     nonfinite_hooks: bool = True          # per-module hooks that name the first non-finite output/gradient
+    peak_tflops: float = 0.0              # dense bf16 peak of one device: MFU's denominator (0: no MFU)
 
     def micro_batches_per_step(self, dp: int) -> int:
         if self.global_batch_size % (self.micro_batch_size * dp):
@@ -524,6 +525,9 @@ def run_sft(tc: TrainConfig, step_batches: Callable[[int, int, int], Iterator[di
         return 1
     batches = step_batches(r.dp_rank, r.dp, start)
     tokens_per_step = tc.global_batch_size * tc.seq_len
+    from dsv4.flops import train_flops_per_token
+    flops_per_token, _ = train_flops_per_token(tc.model, tc.seq_len, mtp=tc.objective.mtp_coeff > 0,
+                                               recompute=tc.recompute == "full")
     kill_at = int(os.environ.get("V4_KILL_AT_STEP", "0") or 0)     # test hook: die inside this step
     ckpt = latest_checkpoint(out.checkpoints)
     say(f"training steps {start + 1}..{tc.num_steps} on {r.world} rank(s): TP={r.tp} PP={r.pp} EP={r.ep} "
@@ -542,12 +546,17 @@ def run_sft(tc: TrainConfig, step_batches: Callable[[int, int, int], Iterator[di
                "tokens": tokens_per_step, "loss_tokens": res.loss_tokens, "step_time_s": res.step_time_s,
                "tokens_per_s": tokens_per_step / res.step_time_s, "peak_mem_gb": float(peak.item()),
                "world": r.world}
+        row["model_tflops"] = flops_per_token * row["tokens_per_s"] / 1e12          # all ranks together
+        if tc.peak_tflops:
+            row["mfu"] = row["model_tflops"] / (tc.peak_tflops * r.world)
         if res.mtp_loss is not None:
             row["mtp_loss"] = res.mtp_loss
         if r.rank == 0:
             on_metrics(row)
+        mfu = f" MFU {row['mfu']:.1%}" if "mfu" in row else ""
         say(f"step {step}/{tc.num_steps} loss {res.loss:.4f} grad_norm {res.grad_norm:.3f} lr {res.lr:.2e} "
-            f"{res.step_time_s:.2f} s {row['tokens_per_s']:.0f} tok/s peak {row['peak_mem_gb']:.2f} GB")
+            f"{res.step_time_s:.2f} s {row['tokens_per_s']:.0f} tok/s {row['model_tflops']:.3g} TFLOP/s{mfu} "
+            f"peak {row['peak_mem_gb']:.2f} GB")
         if step % tc.save_interval == 0 or step == tc.num_steps:
             ckpt = trainer.save(out.checkpoints)
             say(f"saved {ckpt}")

@@ -116,6 +116,7 @@ KEYS: list[Key] = [
     _k("HW_DIST_BACKEND", "enum", "gloo", "hw", "torch.distributed backend", ("gloo", "nccl")),
     _k("HW_GPU_NAME", "str", "", "hw", "substring the GPU's name must contain (preflight); empty on cpu"),
     _k("HW_GPU_MEMORY_GB", "float", 0, "hw", "memory per GPU in GB (0 on cpu)"),
+    _k("HW_PEAK_TFLOPS", "float", 0, "hw", "dense bf16 peak TFLOP/s of one GPU: MFU's denominator (0: no MFU)"),
     _k("HW_MAX_TOKENS_PER_GPU", "int", 4096, "hw", "token budget per GPU per micro-batch"),
     _k("HW_RECOMPUTE_GRANULARITY", "enum", "none", "hw",
        "activation recomputation: full recomputes each transformer block in backward", ("none", "full")),
