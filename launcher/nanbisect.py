@@ -20,6 +20,7 @@ The report (report.md + report.json) names the culprit, the forensics and every 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -67,12 +68,22 @@ class Report:
     sample: dict | None = None
     kernel: dict | None = None
     joint: bool = False               # the culprit switches cure only together (else: each one alone)
+    left_out: dict = field(default_factory=dict)    # switch -> why it could not run here
     seconds: float = 0.0
     exit_code: int = NO_CULPRIT
 
 
-def candidates(cfg: dict, forensics: dict, capture: dict) -> list[str]:
-    """The switches that can change anything in this run."""
+def one_device_state_gb(tc) -> float:
+    """Weights, gradients and Adam state of the whole model on one device (the launcher's estimate's bytes)."""
+    from launcher.config.checks import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+    m = tc.model
+    per = WEIGHT_BYTES.get(m.dtype, 2) + GRAD_BYTES + OPTIMIZER_BYTES.get(m.dtype, 12)
+    return sum(math.prod(sh) for sh in m.param_shapes().values()) * per / 2 ** 30
+
+
+def candidates(cfg: dict, forensics: dict, capture: dict, skipped: dict | None = None) -> list[str]:
+    """The switches that can change anything in this run (and, in `skipped`, those that cannot run here, why)."""
+    skipped = {} if skipped is None else skipped
     from jobs.train_sft import train_config, world_size
     tc = train_config(cfg)
     m = tc.model
@@ -86,7 +97,12 @@ def candidates(cfg: dict, forensics: dict, capture: dict) -> list[str]:
     if tc.recompute == "full":
         out.append("recompute_off")
     if world_size(cfg) > 1:
-        out.append("layout_1")
+        need = one_device_state_gb(tc)
+        if cfg.get("HW_DEVICE") == "cuda" and cfg.get("HW_GPU_MEMORY_GB") and need > cfg["HW_GPU_MEMORY_GB"]:
+            skipped["layout_1"] = (f"one GPU cannot hold the model's ~{need:.0f} GB of weights, gradients and optimizer "
+                                   f"state (HW_GPU_MEMORY_GB={cfg['HW_GPU_MEMORY_GB']:g})")
+        else:
+            out.append("layout_1")
     if sample_of(forensics, capture) is not None and sum(len(r) for r in capture["rows_by_dp_rank"].values()) > 1:
         out.append("sample")
     return out
@@ -216,8 +232,10 @@ def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0,
     report.reproduced = True
     log(f"reproduced: {_where(report.forensics, base.result, capture['step'])}{data_note}")
     report.sample = sample_of(report.forensics, capture)
-    cands = candidates(cfg, report.forensics, capture)
+    cands = candidates(cfg, report.forensics, capture, report.left_out)
     report.candidates = cands
+    for name, why in report.left_out.items():
+        log(f"  rung {name} left out: {why}")
     if not cands:
         return finish("reproduced; no switch applies to this run (torch kernels, fp32, no FP8, one process, "
                       "one sample): the forensics are the lead", NO_CULPRIT)
@@ -325,6 +343,7 @@ def write_report(report: Report, out: Path) -> tuple[Path, Path]:
     lines = [f"# NaN bisect of {report.run}, step {report.step}", "", f"**{report.verdict}**", "",
              f"exit code {report.exit_code}; {report.seconds:.0f} s; switches tried: "
              f"{', '.join(report.candidates) or 'none'}", ""]
+    lines += [f"- `{k}` left out: {why}" for k, why in report.left_out.items()] + ([""] if report.left_out else [])
     for phase in ("forward", "backward"):
         ev = report.forensics.get(phase)
         if not ev:

@@ -62,6 +62,19 @@ def test_plant_spec_conditions():
             PlantSpec.parse(bad)
 
 
+def test_layout_1_is_left_out_when_one_gpu_cannot_hold_the_model():
+    from launcher.config import Selection, resolve
+    from launcher.nanbisect import candidates
+    cfg = dict(resolve(Selection(preset="smoke", hw="h200", sets=("PRESET_MODEL_OVERRIDES=n_routed_experts=8",
+                                                                   "V4_NUM_GPUS_PER_NODE=2", "PRESET_EP=2"))).values,
+               WORLD_SIZE=2)
+    left: dict = {}
+    assert "layout_1" in candidates(cfg, {}, {"rows_by_dp_rank": {"0": ["a"]}}, left) and not left
+    cfg["PRESET_MODEL_OVERRIDES"] = []                             # all 256 experts: ~570 GB of state
+    assert "layout_1" not in candidates(cfg, {}, {"rows_by_dp_rank": {"0": ["a"]}}, left)
+    assert "one GPU cannot hold the model's" in left["layout_1"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plant, sets, culprit", [
     ("layers.1.attn:3@fp8", ("PRESET_MODEL_OVERRIDES=fp8_gemm_inputs=1",), "fp8_off"),
