@@ -127,7 +127,7 @@ class Ladder:
     def __init__(self, run_dir: Path, out: Path, world: int, device: str, parallel: int, timeout: float, log,
                  cfg=None):
         self.run_dir, self.out, self.world, self.timeout, self.log = run_dir, out, world, timeout, log
-        self.cfg = cfg if cfg is not None and cfg["V4_EXECUTOR"] == "ray" else None
+        self.cfg = cfg
         gpus = _gpu_count() if device == "cuda" else 0
         room = max(1, gpus // max(world, 1)) if device == "cuda" else max(1, (os.cpu_count() or 1) // max(world, 1))
         # Ray places a rung's ranks itself and queues what does not fit: a few in flight at once
@@ -178,8 +178,8 @@ class Ladder:
         import shlex
 
         from launcher import jobs
-        from launcher.plan import JobSpec, job_env, working_dir_excludes
         from launcher.nodes import python_on_nodes
+        from launcher.plan import JobSpec, job_env, working_dir_excludes
         cfg, run = self.cfg, str(self.run_dir)
         job = JobSpec(
             submission_id=f"{self.run_dir.name}-nan-{name}-{int(time.time())}",
@@ -209,7 +209,9 @@ def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0,
     cfg = json.loads((run_dir / "config.json").read_text())["values"]
     capture = load_capture(run_dir)
     report = Report(run_dir.name, capture["step"], False, "")
-    ladder = Ladder(run_dir, out, world_size(cfg), cfg["HW_DEVICE"], parallel, timeout, log, cluster_cfg)
+    # the rungs run where the run's train step ran: its own executor decides, not this command's
+    ladder = Ladder(run_dir, out, world_size(cfg), cfg["HW_DEVICE"], parallel, timeout, log,
+                    cluster_cfg if cfg.get("V4_EXECUTOR") == "ray" else None)
     where = "as Ray jobs on the cluster" if ladder.cfg is not None else "as processes on this machine"
     log(f"nan bisect {run_dir.name}: step {capture['step']} from {Path(capture['checkpoint']).name}; rungs {where}, "
         f"{ladder.parallel} at a time")

@@ -25,7 +25,7 @@ class PlantSpec:
     """Make `module`'s output (or the gradient reaching it) NaN at optimizer step `step`, when every condition in
     `when` holds. From V4_PLANT_NAN="MODULE:STEP[:forward|backward][@COND,...]", e.g. "layers.1.attn:3",
     "layers.1.attn:3@impl=tilelang", "layers.2.ffn:2:backward@tp>1", "layers.0.attn:1@token=77" (only the rows
-    holding token 77 turn NaN)."""
+    holding token 77 turn NaN). Several plants are separated by ";"."""
     module: str
     step: int
     phase: str = "forward"
@@ -45,9 +45,9 @@ class PlantSpec:
         return cls(parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "forward", when)
 
     @classmethod
-    def from_env(cls) -> "PlantSpec | None":
-        spec = os.environ.get(PLANT_ENV, "").strip()
-        return cls.parse(spec) if spec else None
+    def from_env(cls) -> "list[PlantSpec]":
+        """Every plant in V4_PLANT_NAN; several are separated by ';' (two faults, each with its own condition)."""
+        return [cls.parse(p) for p in os.environ.get(PLANT_ENV, "").split(";") if p.strip()]
 
     def holds(self, facts: dict) -> bool:
         """Whether the run-wide conditions hold (`token=` is decided per row, in the hook)."""
@@ -97,21 +97,23 @@ class NonFiniteMonitor:
 
     BIG = 1 << 62
 
-    def __init__(self, stage, enabled: bool, plant: PlantSpec | None, facts: dict | None = None):
+    def __init__(self, stage, enabled: bool, plants: list[PlantSpec], facts: dict | None = None):
         self.enabled, self.step_no = enabled, 0
-        self.plant = plant if plant is not None and plant.holds(facts or {}) else None
+        self.plants = [p for p in plants if p.holds(facts or {})]
         self.tokens: torch.Tensor | None = None      # the current micro-batch's input ids (token= plants)
         self.handles = []
         self.reset()
         mods = dict(stage.named_modules())
-        if plant and plant.module not in mods and plant.module != "" and self._plant_here(stage, plant.module):
-            raise ValueError(f"{PLANT_ENV}: no module named {plant.module!r}; names look like "
-                             f"'layers.1.attn', 'layers.0.ffn.experts.3.w1', 'head'")
+        for plant in plants:
+            if plant.module not in mods and plant.module != "" and self._plant_here(stage, plant.module):
+                raise ValueError(f"{PLANT_ENV}: no module named {plant.module!r}; names look like "
+                                 f"'layers.1.attn', 'layers.0.ffn.experts.3.w1', 'head'")
         for name, mod in mods.items():
             if not name:
                 continue
-            if self.plant and name == self.plant.module:
-                self.handles.append(mod.register_forward_hook(self._planter(name)))
+            for plant in self.plants:
+                if name == plant.module:
+                    self.handles.append(mod.register_forward_hook(self._planter(plant)))
             if enabled:
                 self.handles.append(mod.register_forward_hook(self._forward_hook(name)))
         if enabled:
@@ -162,11 +164,11 @@ class NonFiniteMonitor:
             self._record("backward", name, kind, (grad,))
         return hook
 
-    def _planter(self, name: str):
+    def _planter(self, plant: PlantSpec):
         def hook(mod, args, out):
-            if self.step_no != self.plant.step or not torch.is_tensor(out):
+            if self.step_no != plant.step or not torch.is_tensor(out):
                 return None
-            rows = _rows_with(self.tokens, self.plant.token, out)
+            rows = _rows_with(self.tokens, plant.token, out)
             if rows is not None and not bool(rows.any()):
                 return None
 
@@ -175,7 +177,7 @@ class NonFiniteMonitor:
                     return t + float("nan")
                 shape = (-1,) + (1,) * (t.dim() - 1)
                 return torch.where(rows.reshape(shape), t + float("nan"), t)
-            if self.plant.phase == "forward":
+            if plant.phase == "forward":
                 return poison(out)
             if out.requires_grad:
                 out.register_hook(poison)

@@ -171,3 +171,18 @@ def test_rungs_run_as_ray_jobs_under_the_ray_executor(tmp_path_factory):
         assert "nan replay: step 3" in log
     finally:
         v4(work, "cluster", "down")
+
+
+@pytest.mark.slow
+def test_two_faults_need_two_switches_together(work):
+    """One fault under FP8, another under bf16: no switch cures alone, all together do, and delta-debugging drops
+    the one that does not matter (the sample) and keeps the two that do."""
+    run = planted_run(work, "layers.1.attn:3@fp8;layers.2.ffn:3@bf16",
+                      "PRESET_MODEL_OVERRIDES=fp8_gemm_inputs=1 dtype=bf16")
+    r, report = bisect(work, run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(report["culprit"]) == ["fp32", "fp8_off"] and report["joint"], report["verdict"]
+    assert report["verdict"].startswith("culprit: only together: ")
+    rungs = {g["name"]: g["finite"] for g in report["rungs"]}
+    assert rungs["fp8_off"] is False and rungs["fp32"] is False and rungs["all"] is True
+    assert rungs["without_sample"] is True and rungs["without_fp8_off"] is False and rungs["without_fp32"] is False
