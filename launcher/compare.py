@@ -160,6 +160,12 @@ def plot(runs: dict[str, list[dict]], out: Path, labels: dict[str, str] | None =
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.04 * (1 + len(names) // 2), 1, 0.95 if title else 1))
+    return _save(fig, out)
+
+
+def _save(fig, out: Path) -> Path:
+    """Write the figure under a temporary name, then rename: a reader never sees half a PNG."""
+    import matplotlib.pyplot as plt
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp.png")
@@ -210,10 +216,4 @@ def plot_records(records: list[dict], benchmarks: list[str], metric: str, out: P
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+    return _save(fig, out)
