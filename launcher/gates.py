@@ -179,6 +179,9 @@ def baseline(rows, run_dir, cfg) -> GateResult:
     if not ref:
         return GateResult("baseline", False, f"baseline run {ref_id} has no metrics under {cfg['V4_OUT']}")
     res = compare.compare({ref_id: ref, "this run": rows}, None, tol)
+    if not res.verdicts:                          # all() of nothing would pass: nothing compared is a failure
+        return GateResult("baseline", False, f"no metric in common with baseline {ref_id} "
+                                             f"(compared: {', '.join(compare.DEFAULT_COMPARE)})")
     bad = [v for v in res.verdicts if v.verdict not in ("identical", "within")]
     if bad:
         v = bad[0]

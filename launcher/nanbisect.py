@@ -73,20 +73,20 @@ class Report:
     exit_code: int = NO_CULPRIT
 
 
-def one_device_state_gb(tc) -> float:
-    """Weights, gradients and Adam state of the whole model on one device (the launcher's estimate's bytes)."""
+def one_device_state_gb(m) -> float:
+    """Weights, gradients and Adam state of the whole model `m` (a ModelConfig) on one device (the launcher's
+    estimate's bytes)."""
     from launcher.config.checks import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
-    m = tc.model
     per = WEIGHT_BYTES.get(m.dtype, 2) + GRAD_BYTES + OPTIMIZER_BYTES.get(m.dtype, 12)
     return sum(math.prod(sh) for sh in m.param_shapes().values()) * per / 2 ** 30
 
 
 def candidates(cfg: dict, forensics: dict, capture: dict, skipped: dict | None = None) -> list[str]:
-    """The switches that can change anything in this run (and, in `skipped`, those that cannot run here, why)."""
+    """The switches that can change anything in this run (and, in `skipped`, those that cannot run here, why).
+    Decided from the run's values and its ModelConfig alone: the launcher imports neither torch nor megatron."""
     skipped = {} if skipped is None else skipped
-    from jobs.train_sft import train_config, world_size
-    tc = train_config(cfg)
-    m = tc.model
+    from jobs.train_sft import model_config, world_size
+    m = model_config(cfg)
     out = []
     if m.attn_impl == "tilelang":
         out.append("attn_torch")
@@ -94,10 +94,10 @@ def candidates(cfg: dict, forensics: dict, capture: dict, skipped: dict | None =
         out.append("fp8_off")
     if m.dtype == "bf16":
         out.append("fp32")
-    if tc.recompute == "full":
+    if cfg.get("HW_RECOMPUTE_GRANULARITY") == "full":       # what train_config turns into recompute="full"
         out.append("recompute_off")
     if world_size(cfg) > 1:
-        need = one_device_state_gb(tc)
+        need = one_device_state_gb(m)
         if cfg.get("HW_DEVICE") == "cuda" and cfg.get("HW_GPU_MEMORY_GB") and need > cfg["HW_GPU_MEMORY_GB"]:
             skipped["layout_1"] = (f"one GPU cannot hold the model's ~{need:.0f} GB of weights, gradients and optimizer "
                                    f"state (HW_GPU_MEMORY_GB={cfg['HW_GPU_MEMORY_GB']:g})")
@@ -305,11 +305,10 @@ def _culprit_text(cures: list[str], report: Report) -> str:
 
 def attention_shape(cfg: dict) -> str:
     """The kernel bisector's B,S,H,D,topk for the run's sparse attention (heads on one TP rank)."""
-    from jobs.train_sft import train_config
-    tc = train_config(cfg)
-    m = tc.model
-    topk = m.window_size + min(m.index_topk, tc.seq_len // 4)
-    return f"{tc.micro_batch_size},{tc.seq_len},{m.n_heads // tc.layout.tp},{m.head_dim},{topk}"
+    from jobs.train_sft import model_config
+    m, seq = model_config(cfg), cfg["PRESET_SEQ_LEN"]
+    topk = m.window_size + min(m.index_topk, seq // 4)
+    return f"{cfg['PRESET_MICRO_BATCH_SIZE']},{seq},{m.n_heads // cfg['PRESET_TP']},{m.head_dim},{topk}"
 
 
 def _kernel_handover(cfg: dict, report: Report, out: Path, log) -> dict:

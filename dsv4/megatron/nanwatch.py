@@ -262,8 +262,9 @@ class Forensics:
                         t.register_hook(self._grad(name, "grad_output", None))
                 return
             inputs = [_describe(a, self.top) for a in args if torch.is_tensor(a) and a.is_floating_point()]
+            # non-finite parameters first, then the largest
             params = sorted(((n, _describe(p, self.top)) for n, p in mod.named_parameters(recurse=True)),
-                            key=lambda x: -x[1].get("absmax", float("inf")) if not x[1]["bad"] else -float("inf"))
+                            key=lambda x: (x[1]["bad"] == 0, -x[1].get("absmax", 0.0)))
             kind = ("parameter" if any(d["bad"] for _, d in params) else
                     "input" if any(d["bad"] for d in inputs) else "output")
             self.found["forward"] = {

@@ -1,6 +1,8 @@
 """Model FLOPs per token (dsv4/flops.py) against a count by hand for the tiny model, written from its numbers."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dsv4.config import ModelConfig
@@ -38,6 +40,7 @@ def test_forward_flops_by_hand():
     attn = sum(4 * H * D * attended(TINY, i, S)[0] for i in range(4))
     keys = sum(2 * 4 * 64 * attended(TINY, i, S)[1] for i in range(4))
     got = forward_flops_per_token(TINY, S)
+    assert all(math.isfinite(v) and v > 0 for v in got.values()), got
     for part, want in hand.items():
         extra = keys if part == "indexer" else 0
         assert got[part] == pytest.approx(want + extra), part
@@ -56,4 +59,5 @@ def test_the_4layer_smoke_model_is_about_six_times_its_active_parameters():
     """The issue's estimate for the H200 smoke (4 layers, 8 experts): ~6 x 1.9 B active parameters per token."""
     cfg = ModelConfig.preset("4layer", n_routed_experts=8)
     model, _ = train_flops_per_token(cfg, 4096)
+    assert math.isfinite(model)
     assert 0.85 < model / (6 * 1.9e9) < 1.0

@@ -227,3 +227,6 @@ def test_the_baseline_gate_follows_a_named_run(tmp_path):
     assert gate(same, PRESET_BASELINE_RUN="stageA-base", PRESET_BASELINE_TOL=0.01).passed
     assert not gate(same, PRESET_BASELINE_RUN="stageA-none").passed
     assert not gate(same).passed
+    (base / "metrics.jsonl").write_text('{"step": 1, "tokens_per_s": 5.0}\n')        # nothing to compare
+    r = gate(same, PRESET_BASELINE_RUN="stageA-base")
+    assert not r.passed and "no metric in common" in r.detail
