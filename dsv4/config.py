@@ -74,6 +74,9 @@ class ModelConfig:
     # same 128x128 ue8m0 quant-dequant in the forward, so the trainer scores the weights the rollout samples with
     qat_rollout_fp8: bool = False
     shared_expert_clamp: bool = True     # official clamps the shared expert's SwiGLU too; MILES training does not
+    # the fp32 head GEMM on CUDA: "bf16x3" = three bf16 tensor-core GEMMs on split operands (~2^-16 per product,
+    # dsv4/kernels/split_gemm.py), "fp32" = one fp32 GEMM on the CUDA cores; a CPU always runs the fp32 GEMM
+    head_gemm: str = "bf16x3"
     indexer_loss_coeff: float = 0.0      # weight of the KL indexer loss that trainers add (the model only reports it)
     seed: int = 0                        # deterministic initialisation
 
@@ -126,6 +129,8 @@ class ModelConfig:
             errs.append(f"dtype={self.dtype!r}: one of bf16, fp32")
         if self.attn_impl not in ("torch", "tilelang"):
             errs.append(f"attn_impl={self.attn_impl!r}: one of torch, tilelang")
+        if self.head_gemm not in ("fp32", "bf16x3"):
+            errs.append(f"head_gemm={self.head_gemm!r}: one of fp32, bf16x3")
         if self.weight_dtype not in ("fp8", "bf16") or self.expert_dtype not in ("fp4", "fp8", "bf16"):
             errs.append(f"weight_dtype={self.weight_dtype!r} (fp8|bf16), expert_dtype={self.expert_dtype!r} (fp4|fp8|bf16)")
         if self.hc_mult < 1 or self.n_layers < 1:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from dsv4 import quant
 from dsv4.config import ModelConfig
 from dsv4.kernels import reference as kref
+from dsv4.kernels import split_gemm
 
 try:  # the dispatchers (torch | tilelang) live in dsv4/kernels/__init__.py
     from dsv4.kernels import indexer_logits, sparse_attn
@@ -100,12 +101,12 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bo
 
 @lru_cache(maxsize=16)
 def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
-    """Cached per device: a copy to the GPU at every call would be a host-to-device transfer that a CUDA graph
-    capture (the rollout engine's decode step) refuses."""
-    h = torch.ones(1, 1)
+    """Cached per device, and built there: a copy to the GPU would be a host-to-device transfer that a CUDA graph
+    capture (the rollout engine's decode step) refuses, also where torch.compile traces through the cache."""
+    h = torch.ones(1, 1, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * n ** -0.5).to(device)
+    return h * n ** -0.5
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -131,8 +132,10 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return c
 
 
-def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
-    """Mix layout [pre(hc) | post(hc) | comb(hc*hc, row-major)]; scale = [s_pre, s_post, s_comb]."""
+def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float,
+             sinkhorn=sinkhorn):
+    """Mix layout [pre(hc) | post(hc) | comb(hc*hc, row-major)]; scale = [s_pre, s_post, s_comb]. `sinkhorn`: the
+    function that normalises comb (a fused kernel can stand in for the reference)."""
     scale, base = scale.float(), base.float()
     pre = torch.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mix[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
@@ -140,9 +143,9 @@ def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int
     return pre, post, sinkhorn(comb, iters, eps)
 
 
-def hc_pre(X, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
+def hc_pre(X, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float, sinkhorn=sinkhorn):
     """-> (x [B,S,d] in X.dtype = sum_j pre_j X_j, post [B,S,hc], comb [B,S,hc,hc])."""
-    pre, post, comb = hc_split(hc_mixes(X, fn, norm_eps), scale, base, hc, iters, hc_eps)
+    pre, post, comb = hc_split(hc_mixes(X, fn, norm_eps), scale, base, hc, iters, hc_eps, sinkhorn)
     x = (pre.unsqueeze(-1) * X.float()).sum(2)
     return x.to(X.dtype), post, comb
 
@@ -249,6 +252,13 @@ def route(logits: torch.Tensor, score_func: str, topk: int, route_scale: float,
     if score_func != "softmax":
         w = w / w.sum(-1, keepdim=True)
     return w * route_scale, idx
+
+
+def head_linear(x: torch.Tensor, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The fp32 head GEMM, as cfg.head_gemm says (on CUDA; F.linear in fp32 on a CPU)."""
+    if cfg.head_gemm == "bf16x3":
+        return split_gemm.linear(x.float(), w)
+    return F.linear(x.float(), w.float())
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -509,10 +519,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = MoE(layer_id, cfg)
 
-    def _hc_pre(self, X, sub):
+    def _hc_pre(self, X, sub, sinkhorn=sinkhorn):
         c = self.cfg
         return hc_pre(X, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
-                      getattr(self, f"hc_{sub}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+                      getattr(self, f"hc_{sub}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, sinkhorn)
 
     def forward(self, X: torch.Tensor, input_ids: torch.Tensor, want_indexer_loss: bool = False) -> torch.Tensor:
         x, post, comb = self._hc_pre(X, "attn")
@@ -575,7 +585,7 @@ class Transformer(nn.Module):
 
     def head_logits(self, X, fn, scale, base, norm: RMSNorm) -> torch.Tensor:
         y = hc_head(X, fn, scale, base, self.cfg.hc_eps, self.cfg.norm_eps)
-        return F.linear(norm(y).float(), self.head.weight.float())
+        return head_linear(norm(y), self.head.weight, self.cfg)
 
     def forward(self, input_ids: torch.Tensor, indexer_loss: bool = False) -> ModelOutput:
         cfg = self.cfg

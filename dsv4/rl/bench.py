@@ -2,10 +2,10 @@
 seconds and GB/s of each weight-update path, measured in one run.
 
 Decode: for each batch size, a batch of prompts is fed to a fresh cache, then `--steps` decode steps are timed
-(the median step after warm-up; CUDA synchronised around each step). tokens/s = batch / step time. The step
-is the engine's: replayed from a CUDA graph (`decode.GraphedStep`, row mode "graph"; on a CPU there is no graph
-and the row says "eager"); with `eager=True` the same positions are then timed again running `decode.step`
-without a graph (mode "eager"), so the two sit side by side from one run. The step's MoE runs every routed
+(the median step after warm-up; CUDA synchronised around each step). tokens/s = batch / step time. Mode
+"graph" is the engine's step: its regions compiled by inductor, replayed from a CUDA graph (`decode.GraphedStep`);
+"uncompiled" the same graph of the uncompiled regions; "eager" the uncompiled step launched op by op (the only
+mode on a CPU). Every mode runs the same positions on the same cache, so the rows sit side by side from one run. The step's MoE runs every routed
 expert on every row (`decode.moe`), so at small batches it reads more expert weights than the roofline counts.
 Roofline of a step = the bytes the step must read at least once / the device's copy bandwidth measured in the
 same run (a large device-to-device copy, read + write counted):
@@ -118,34 +118,51 @@ def _time_steps(run, positions, timed_from: int, dev) -> tuple[list[float], list
     return times, routes
 
 
+MODES = ("graph", "uncompiled", "eager")
+
+
 def bench_decode(engine: EmbeddedEngine, batches: list[int], prompt_len: int, steps: int, warmup: int,
-                 bandwidth: float, say=print, eager: bool = False) -> list[DecodeRow]:
+                 bandwidth: float, say=print, modes=("graph",)) -> list[DecodeRow]:
+    """modes: "graph" (the engine's step: compiled regions in a CUDA graph), "uncompiled" (the same graph of
+    the uncompiled regions), "eager" (the uncompiled step launched op by op). On a CPU there is no graph and
+    one "eager" set of rows is timed."""
     model, dev = engine.model, engine.device
     V = model.cfg.vocab_size
     rows = []
+    if dev.type != "cuda":
+        modes = ("eager",)
     for B in batches:
         g = torch.Generator().manual_seed(B)
         total = prompt_len + warmup + steps
         ids = torch.randint(0, V, (B, total), generator=g).to(dev)
         cache = decode.DecodeCache(model, B, total)
-        dec = decode.GraphedStep(model, cache)
-        for p in range(prompt_len):        # the prompt through the graph (captured at position 0)
-            dec(ids[:, p], p)
-        runs = [("graph" if dec.graphed else "eager", lambda p, dec=dec: dec(ids[:, p], p))]
-        if eager and dec.graphed:
-            # the same positions again, op by op: a step repeated at its position redoes the same work
-            runs.append(("eager", lambda p, cache=cache: decode.step(model, cache, ids[:, p], p)))
-        for mode, run in runs:
-            times, routes = _time_steps(run, range(prompt_len, total), prompt_len + warmup, dev)
+        prefill = decode.GraphedStep(model, cache, graph=False, prepared=engine._prepared)
+        for p in range(prompt_len):
+            prefill(ids[:, p], p)
+        for mode in modes:
+            # the same positions for every mode: a step repeated at its position redoes the same work
+            if mode == "eager":
+                dec = prefill
+            else:
+                dec = decode.GraphedStep(model, cache, compiled=mode == "graph", prepared=engine._prepared)
+                dec(ids[:, prompt_len], prompt_len)               # capture outside the timing
+                if not dec.graphed:
+                    say(f"[bench] batch {B:>3} {mode}: no CUDA graph ({decode.GraphedStep.capture_failed})")
+                    continue
+                if mode == "graph" and not dec.compiled:
+                    say(f"[bench] batch {B:>3} graph: compiling failed ({decode.GraphedStep.compile_failed})")
+            times, routes = _time_steps(lambda p, dec=dec: dec(ids[:, p], p), range(prompt_len, total),
+                                        prompt_len + warmup, dev)
             byte_counts = [step_bytes(model, cache, r, B) for r in routes]
             ms = statistics.median(times) * 1e3
             w = int(statistics.median(b[0] for b in byte_counts))
             kv = int(statistics.median(b[1] for b in byte_counts))
             roof = (w + kv) / bandwidth * 1e3
             rows.append(DecodeRow(mode, B, ms, B / ms * 1e3, w, kv, roof, roof / ms))
-            say(f"[bench] batch {B:>3} {mode:<5}: {ms:8.2f} ms/step  {B / ms * 1e3:10.1f} tokens/s  "
+            say(f"[bench] batch {B:>3} {mode:<10}: {ms:8.2f} ms/step  {B / ms * 1e3:10.1f} tokens/s  "
                 f"roofline {roof:.3f} ms ({roof / ms:.1%})")
-        del dec, cache
+            del dec
+        del prefill, cache
     return rows
 
 
@@ -211,24 +228,26 @@ def bench_sync(engine: EmbeddedEngine, paths: list[str], say=print) -> list[Sync
 
 
 def table(decode_rows: list[DecodeRow], bandwidth: float) -> str:
-    """One line a batch size: each mode's ms/step, tokens/s and fraction of the roofline, side by side, and where
-    both ran, the graph's speedup over eager."""
+    """One line a batch size: each mode's ms/step, tokens/s and fraction of the roofline, side by side, and
+    the first mode's speedup over each other mode that ran."""
     modes = list(dict.fromkeys(r.mode for r in decode_rows))
     by = {(r.batch, r.mode): r for r in decode_rows}
     head = f"{'batch':>5} {'weights MB':>11} {'KV MB':>8} {'roofline ms':>12}"
     for m in modes:
-        head += f" | {m + ' ms':>9} {'tokens/s':>10} {'of roof':>8}"
-    if len(modes) > 1:
-        head += f" | {'speedup':>7}"
+        head += f" | {m + ' ms':>13} {'tokens/s':>10} {'of roof':>8}"
+    for m in modes[1:]:
+        head += f" | {'vs ' + m:>13}"
     lines = [f"decode (roofline at the measured copy bandwidth {bandwidth / 1e9:.0f} GB/s)", head]
     for B in dict.fromkeys(r.batch for r in decode_rows):
-        first = by[(B, modes[0])]
+        first = next(by[(B, m)] for m in modes if (B, m) in by)
         line = f"{B:>5} {first.weight_bytes / 1e6:>11.1f} {first.kv_bytes / 1e6:>8.2f} {first.roofline_ms:>12.3f}"
         for m in modes:
             r = by.get((B, m))
-            line += f" | {r.step_ms:>9.2f} {r.tokens_per_s:>10.1f} {r.achieved:>8.1%}" if r else f" | {'-':>9} {'-':>10} {'-':>8}"
-        if len(modes) > 1:
-            a, b = by.get((B, modes[0])), by.get((B, modes[1]))
-            line += f" | {b.step_ms / a.step_ms:>6.1f}x" if a and b else f" | {'-':>7}"
+            line += f" | {r.step_ms:>13.2f} {r.tokens_per_s:>10.1f} {r.achieved:>8.1%}" if r else \
+                f" | {'-':>13} {'-':>10} {'-':>8}"
+        a = by.get((B, modes[0]))
+        for m in modes[1:]:
+            b = by.get((B, m))
+            line += f" | {b.step_ms / a.step_ms:>12.1f}x" if a and b else f" | {'-':>13}"
         lines.append(line)
     return "\n".join(lines)

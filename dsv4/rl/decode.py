@@ -26,6 +26,17 @@ it replays for every position (`GraphedStep`):
   where not chosen): no `unique`/`nonzero` on the host. At decode batch sizes the step is bound by reading
   weights, and a batch of 64 tokens routed top-k activates nearly every expert anyway (`moe`).
 
+On a GPU the engine's step is faster than these functions run op by op, without other math:
+* `Prepared` holds forms of the weights the step reads instead of the parameters: the fp32 head as two bf16
+  halves (three tensor-core GEMMs, fp32-grade: dsv4/kernels/split_gemm.py) and each layer's routed experts
+  stacked for two batched GEMMs; the engine refreshes them in place after every weight update;
+* the step's pure-torch parts are three kinds of regions around the attention kernel (`before_attention`,
+  `after_attention`, `head_input`), which `GraphedStep` runs through torch.compile: inductor fuses the norms,
+  rotations, routing and the MoE's elementwise work, and the Sinkhorn iterations run as one kernel
+  (dsv4/kernels/triton_sinkhorn.py). Fused intermediates stay in fp32 where eager rounds them to bf16, so the
+  compiled step differs from the eager one at bf16 level (tests/rl/test_engine_gpu.py holds both to the
+  full forward's bounds).
+
 The KV layout of one layer is one buffer [B, W + N + 1, D]: ring rows 0..W-1, compressed entries W..W+N-1,
 the trash row last, so the sparse-attention kernel reads window and compressed rows through one index list,
 as in training.
@@ -38,16 +49,19 @@ once: `GraphedStep` relies on both (its warm-up steps are real steps; the engine
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
+from typing import Callable, NamedTuple
 
 import torch
 
 from dsv4 import quant
 from dsv4.kernels import reference as kref
-from dsv4.kernels import sparse_attn
-from dsv4.model import (MoE, Attention, Compressor, Transformer, _kv_fp8_qat, compress, grouped_output, hadamard,
-                        hc_post, rms_norm, rope_cos_sin, rope_tail)
+from dsv4.kernels import sparse_attn, split_gemm, triton_sinkhorn
+from dsv4.model import (MoE, Attention, Block, Compressor, Transformer, _kv_fp8_qat, compress, grouped_output,
+                        hadamard, hc_head, hc_post, head_linear, rms_norm, rope_cos_sin, rope_tail,
+                        sinkhorn, swiglu)
 
 
 class PoolState:
@@ -137,9 +151,10 @@ class DecodeCache:
         self.batch = len(keep)
 
 
-def attend(attn: Attention, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor) -> torch.Tensor:
-    """Attention.forward for one new position per sample, reading and extending the layer's cache.
-    x [B, 1, dim], pos 0-dim int64 on x's device -> [B, 1, dim]."""
+def attend_pre(attn: Attention, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor):
+    """Attention.forward up to the sparse attention, for one new position per sample: extends the layer's cache
+    and returns what the kernel reads, (q [B, 1, H, D], idx [B, 1, K] int32 rows of lc.kv, cos, sin).
+    x [B, 1, dim], pos 0-dim int64 on x's device."""
     cfg = attn.cfg
     W, N = lc.window, lc.n_entries
     B = x.shape[0]
@@ -178,20 +193,65 @@ def attend(attn: Attention, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor) 
         else:
             idx_c = torch.where(lc.entries < n, lc.entries + W, -1).expand(B, 1, -1)
         idx = torch.cat([idx, idx_c], dim=-1)
-    o = sparse_attn(q, lc.kv, attn.attn_sink, idx.int().contiguous(), attn.softmax_scale, impl=cfg.attn_impl)
+    return q, idx.int().contiguous(), cos, sin
+
+
+def attend_post(attn: Attention, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Attention.forward after the sparse attention: o [B, 1, H, D] -> [B, 1, dim]."""
     o = rope_tail(o, cos, sin, inverse=True)
-    return attn.wo_b(grouped_output(o, attn.wo_a.qat_weight_value(), cfg.o_groups))
+    return attn.wo_b(grouped_output(o, attn.wo_a.qat_weight_value(), attn.cfg.o_groups))
 
 
-def moe(ffn: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(attn: Attention, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor) -> torch.Tensor:
+    """Attention.forward for one new position per sample, reading and extending the layer's cache.
+    x [B, 1, dim], pos 0-dim int64 on x's device -> [B, 1, dim]."""
+    q, idx, cos, sin = attend_pre(attn, x, lc, pos)
+    o = sparse_attn(q, lc.kv, attn.attn_sink, idx, attn.softmax_scale, impl=attn.cfg.attn_impl)
+    return attend_post(attn, o, cos, sin)
+
+
+class ExpertStack:
+    """A layer's routed experts as two stacked weights, for two batched GEMMs over every expert instead of three
+    small GEMMs per expert: w13 [E, 2*inter, dim] (w1 over w3) and w2 [E, dim, inter]. A copy (through each
+    weight's QAT point), refreshed in place after the experts change."""
+
+    def __init__(self, ffn: MoE):
+        self.ffn = ffn
+        e0 = ffn.experts[0]
+        inter, dim = e0.w1.weight.shape
+        E, dt, dev = len(ffn.experts), e0.w1.weight.dtype, e0.w1.weight.device
+        self.w13 = torch.empty(E, 2 * inter, dim, dtype=dt, device=dev)
+        self.w2 = torch.empty(E, dim, inter, dtype=dt, device=dev)
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        inter = self.w2.shape[-1]
+        for e, ex in enumerate(self.ffn.experts):
+            self.w13[e, :inter].copy_(ex.w1.qat_weight_value())
+            self.w13[e, inter:].copy_(ex.w3.qat_weight_value())
+            self.w2[e].copy_(ex.w2.qat_weight_value())
+
+    def __call__(self, x: torch.Tensor, dense: torch.Tensor, limit: float) -> torch.Tensor:
+        """sum_e dense[:, e] * expert_e(x), fp32 [T, dim], with Expert.forward's roundings (bf16 GEMM outputs,
+        the activation scaled then cast before w2); the sum over experts runs in fp32."""
+        h = torch.matmul(x, self.w13.transpose(1, 2)).float()              # [E, T, 2*inter]
+        g, u = h.chunk(2, dim=-1)
+        a = swiglu(g, u, limit) * dense.t().unsqueeze(-1)
+        return torch.matmul(a.to(x.dtype), self.w2.transpose(1, 2)).float().sum(0)
+
+
+def moe(ffn: MoE, x: torch.Tensor, input_ids: torch.Tensor,
+        stack: ExpertStack | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE.forward without host synchronisation -> (output like x, experts [T, k] the router chose).
 
     Every routed expert runs on every row, its activation scaled by the row's routing weight for it: the
     router's weight where the row chose the expert, 0 where not, so the expert adds an exact 0 to that row.
-    Experts are added in ascending order, as MoE.forward's `unique` visits them, so each row's fp32 sum is
-    MoE.forward's (up to the GEMMs' round-off on another number of rows). A row routed twice to one expert
-    (a hash table or a replay can say so) gets the two weights summed, which the expert's w2 makes equal to
-    MoE.forward's two passes up to round-off.
+    Without `stack`, experts are added in ascending order, as MoE.forward's `unique` visits them, so each row's
+    fp32 sum is MoE.forward's (up to the GEMMs' round-off on another number of rows); with it (the engine's
+    prepared weights on a GPU), two batched GEMMs run every expert at once and the fp32 sum over experts is a
+    reduction. A row routed twice to one expert (a hash table or a replay can say so) gets the two weights
+    summed, which the expert's w2 makes equal to MoE.forward's two passes up to round-off.
 
     It reads every expert's weights whatever the routing: at decode batch sizes the step is bound by those
     reads, and a batch of tens of tokens routed top-k touches nearly every expert anyway. Its compute grows
@@ -202,9 +262,12 @@ def moe(ffn: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tenso
     weights, idx = ffn.gate(x, input_ids.reshape(-1))
     dense = torch.zeros(x.shape[0], len(ffn.experts), dtype=weights.dtype, device=x.device)
     dense.scatter_add_(1, idx, weights)
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e, expert in enumerate(ffn.experts):
-        y = y + expert(x, dense[:, e:e + 1]).float()
+    if stack is not None:
+        y = stack(x, dense, ffn.experts[0].swiglu_limit)
+    else:
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(ffn.experts):
+            y = y + expert(x, dense[:, e:e + 1]).float()
     y = y + ffn.shared_experts(x).float()
     return y.to(x.dtype).view(shape), idx
 
@@ -217,24 +280,102 @@ def as_position(pos: int | torch.Tensor, device) -> torch.Tensor:
     return torch.full((), pos, dtype=torch.long, device=device)
 
 
+# The step in three kinds of pure-torch regions around the attention kernel, so that on a GPU each region can
+# be compiled (`compiled_regions`): the hyper-connections' Sinkhorn iterations, the norms and rotations and the
+# MoE's elementwise work are hundreds of tiny kernels a layer, which inductor fuses into a few.
+def _sinkhorn_for(X: torch.Tensor, hc: int):
+    """The fused Sinkhorn kernel where it runs (CUDA), else the reference."""
+    return triton_sinkhorn.sinkhorn if triton_sinkhorn.available(X, hc) else sinkhorn
+
+
+def before_attention(layer: Block, X: torch.Tensor, lc: LayerCache, pos: torch.Tensor):
+    x, post, comb = layer._hc_pre(X, "attn", _sinkhorn_for(X, layer.cfg.hc_mult))
+    q, idx, cos, sin = attend_pre(layer.attn, layer.attn_norm(x), lc, pos)
+    return q, idx, cos, sin, post, comb
+
+
+def after_attention(layer: Block, o, X, post, comb, cos, sin, tok, stack: "ExpertStack | None" = None):
+    X = hc_post(attend_post(layer.attn, o, cos, sin), X, post, comb)
+    x, post, comb = layer._hc_pre(X, "ffn", _sinkhorn_for(X, layer.cfg.hc_mult))
+    y, chosen = moe(layer.ffn, layer.ffn_norm(x), tok, stack)
+    return hc_post(y, X, post, comb), chosen
+
+
+def head_input(model: Transformer, X: torch.Tensor) -> torch.Tensor:
+    """The streams contracted and normed: the head GEMM's fp32 input [B, 1, dim]."""
+    y = hc_head(X, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, model.cfg.hc_eps, model.cfg.norm_eps)
+    return model.norm(y).float()
+
+
+class Regions(NamedTuple):
+    before: Callable
+    after: Callable
+    head: Callable
+
+
+EAGER = Regions(before_attention, after_attention, head_input)
+_compiled: Regions | None = None
+
+
+def compiled_regions() -> Regions:
+    """The regions through torch.compile (inductor), compiled at their first call per layer kind and shape.
+    Dynamo inlines the layer modules with their parameters as inputs, so layers of the same kind (compression
+    ratio, hash routing) share one compiled graph."""
+    global _compiled
+    if _compiled is None:
+        import torch._dynamo
+        dyn = torch._dynamo.config
+        # one graph per layer kind per (rows, capacity) the engine decodes with: more than the default limit
+        for key in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dyn, key):
+                setattr(dyn, key, max(getattr(dyn, key), 64))
+        _compiled = Regions(*(torch.compile(f, dynamic=False) for f in EAGER))
+    return _compiled
+
+
+class Prepared:
+    """Forms of the model's weights that the decode step reads in place of the parameters, on CUDA: the head's
+    bf16 halves (cfg.head_gemm "bf16x3") and each layer's stacked routed experts. Built once per engine and
+    shared by its decoders; `refresh()` after the weights change in place rewrites them in place, so captured
+    graphs see the new values. Costs a second copy of the head and of the routed experts."""
+
+    def __init__(self, model: Transformer):
+        self.head = split_gemm.SplitWeight(model.head.weight) if model.cfg.head_gemm == "bf16x3" else None
+        self.experts = [ExpertStack(layer.ffn) for layer in model.layers]
+
+    @classmethod
+    def of(cls, model: Transformer) -> "Prepared | None":
+        """The prepared weights where the model is on a GPU, None elsewhere (a CPU decodes from the parameters)."""
+        return cls(model) if model.head.weight.is_cuda else None
+
+    def refresh(self) -> None:
+        if self.head is not None:
+            self.head.refresh()
+        for st in self.experts:
+            st.refresh()
+
+
 @torch.no_grad()
-def step(model: Transformer, cache: DecodeCache, ids: torch.Tensor, pos: int | torch.Tensor):
+def step(model: Transformer, cache: DecodeCache, ids: torch.Tensor, pos: int | torch.Tensor,
+         prepared: Prepared | None = None, regions: Regions = EAGER):
     """Feed token `ids` [B] at position `pos` (a 0-dim int64 device tensor, or an int) -> (logits [B, V] fp32
     for position pos + 1, routes [B, n_layers, k] int64: the experts each layer chose for these tokens).
-    No host synchronisation, and the same kernels on the same shapes at every position."""
+    No host synchronisation, and the same kernels on the same shapes at every position. `prepared`: the
+    engine's `Prepared` weights (CUDA), else the parameters themselves; `regions`: EAGER or compiled_regions()."""
     cfg = model.cfg
     pos = as_position(pos, ids.device)
     tok = ids.reshape(-1, 1)
     X = model.embed(tok).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
+    stacks = prepared.experts if prepared is not None else [None] * len(model.layers)
     routes = []
-    for layer, lc in zip(model.layers, cache.layers):
-        x, post, comb = layer._hc_pre(X, "attn")
-        X = hc_post(attend(layer.attn, layer.attn_norm(x), lc, pos), X, post, comb)
-        x, post, comb = layer._hc_pre(X, "ffn")
-        y, chosen = moe(layer.ffn, layer.ffn_norm(x), tok)
-        X = hc_post(y, X, post, comb)
+    for layer, lc, stack in zip(model.layers, cache.layers, stacks):
+        q, idx, cos, sin, post, comb = regions.before(layer, X, lc, pos)
+        o = sparse_attn(q, lc.kv, layer.attn.attn_sink, idx, layer.attn.softmax_scale, impl=cfg.attn_impl)
+        X, chosen = regions.after(layer, o, X, post, comb, cos, sin, tok, stack)
         routes.append(chosen)
-    logits = model.head_logits(X, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, model.norm)
+    y = regions.head(model, X)
+    head = prepared.head if prepared is not None else None
+    logits = head.linear(y) if head is not None else head_linear(y, model.head.weight, cfg)
     return logits[:, 0], torch.stack(routes, dim=1)
 
 
@@ -247,9 +388,13 @@ class GraphedStep:
     them first (work queued on the same stream is ordered before the next replay, so that needs no sync).
 
     The capture happens at the first call, at that call's position and tokens: two eager warm-up steps
-    (which compile and load kernels, TileLang's included, and settle cuBLAS's workspaces outside the capture),
-    then the capture, then the replay that produces the outputs. All three write the same cache rows with the
-    same values (see the module docstring), so the sequence is as if the step ran once.
+    (which compile and load kernels, TileLang's and inductor's included, and settle cuBLAS's workspaces outside
+    the capture), then the capture, then the replay that produces the outputs. All three write the same cache
+    rows with the same values (see the module docstring), so the sequence is as if the step ran once.
+
+    `compiled` (default: with the graph, unless DSV4_DECODE_COMPILE=0) runs the step's regions through
+    torch.compile; where compiling fails the capture is retried without it, with a warning, and no later
+    instance compiles. `prepared`: the engine's `Prepared` weights, shared by its decoders.
 
     Falls back to the eager step on a CPU, with `graph=False`, and, with a warning, when a capture fails (e.g.
     a QAT point that builds a table on the host at each call); after one failure no later instance tries.
@@ -259,19 +404,28 @@ class GraphedStep:
 
     _capture_lock = threading.Lock()         # one capture at a time in the process
     capture_failed: str | None = None        # why the last capture failed (then graphs stay off)
+    compile_failed: str | None = None        # why compiling the regions failed (then regions stay eager)
 
-    def __init__(self, model: Transformer, cache: DecodeCache, graph: bool = True):
-        self.model, self.cache = model, cache
+    def __init__(self, model: Transformer, cache: DecodeCache, graph: bool = True, compiled: bool | None = None,
+                 prepared: Prepared | None = None):
+        self.model, self.cache, self.prepared = model, cache, prepared
         dev = cache.device
         self.ids = torch.zeros(cache.batch, dtype=torch.long, device=dev)
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
         self.use_graph = graph and dev.type == "cuda" and GraphedStep.capture_failed is None
+        if compiled is None:
+            compiled = self.use_graph and os.environ.get("DSV4_DECODE_COMPILE", "1") != "0"
+        self.compiled = compiled and GraphedStep.compile_failed is None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def graphed(self) -> bool:
         return self.graph is not None
+
+    @property
+    def regions(self) -> Regions:
+        return compiled_regions() if self.compiled else EAGER
 
     def __call__(self, ids: torch.Tensor, pos: int | torch.Tensor):
         self.ids.copy_(ids)
@@ -284,26 +438,38 @@ class GraphedStep:
         if self.graph is not None:
             self.graph.replay()
             return self.out
-        return step(self.model, self.cache, self.ids, self.pos)
+        return step(self.model, self.cache, self.ids, self.pos, self.prepared, self.regions)
 
     def _capture(self) -> None:
-        dev = self.cache.device
         try:
-            with GraphedStep._capture_lock, torch.cuda.device(dev):
-                side = torch.cuda.Stream(dev)
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        step(self.model, self.cache, self.ids, self.pos)
-                torch.cuda.current_stream(dev).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: other threads (a trainer) may keep using CUDA while this one captures
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    out = step(self.model, self.cache, self.ids, self.pos)
-            self.graph, self.out = graph, out
-        except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly instead
+            self._try_capture()
+        except Exception as e:  # noqa: BLE001 - compiling failed, or the capture: retry without compiling, then eager
+            if self.compiled:
+                GraphedStep.compile_failed = f"{type(e).__name__}: {e}"
+                self.compiled = False
+                logging.getLogger(__name__).warning("compiling the decode step failed", exc_info=True)
+                warnings.warn(f"compiling the decode step failed ({GraphedStep.compile_failed}); capturing it "
+                              "uncompiled", RuntimeWarning, stacklevel=3)
+                self._capture()
+                return
             GraphedStep.capture_failed = f"{type(e).__name__}: {e}"
             self.use_graph, self.graph, self.out = False, None, None
             logging.getLogger(__name__).warning("CUDA graph capture failed", exc_info=True)   # the traceback
             warnings.warn(f"CUDA graph capture of the decode step failed ({GraphedStep.capture_failed}); "
-                          "decoding eagerly from now on", RuntimeWarning, stacklevel=3)
+                          "decoding eagerly from now on", RuntimeWarning, stacklevel=4)
+
+    def _try_capture(self) -> None:
+        dev = self.cache.device
+        args = (self.model, self.cache, self.ids, self.pos, self.prepared, self.regions)
+        with GraphedStep._capture_lock, torch.cuda.device(dev):
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step(*args)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads (a trainer) may keep using CUDA while this one captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = step(*args)
+        self.graph, self.out = graph, out

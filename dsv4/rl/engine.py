@@ -143,6 +143,7 @@ class EmbeddedEngine:
         self._graphs = cuda_graphs
         self.max_decoders = max_decoders
         self._decoders: dict[tuple[int, int], decode.GraphedStep] = {}   # free decoders, least recently used first
+        self._prepared = decode.Prepared.of(model)  # the decode step's forms of the weights, refreshed on updates
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -208,7 +209,8 @@ class EmbeddedEngine:
         with self._cv:
             dec = self._decoders.pop((rows, cap), None)
         if dec is None:
-            dec = decode.GraphedStep(self.model, decode.DecodeCache(self.model, rows, cap), graph=self._graphs)
+            dec = decode.GraphedStep(self.model, decode.DecodeCache(self.model, rows, cap), graph=self._graphs,
+                                     prepared=self._prepared)
         return dec
 
     def _keep_decoder(self, dec: decode.GraphedStep) -> None:
@@ -452,6 +454,9 @@ class EmbeddedEngine:
                 n = load()
             except (ValueError, OSError, RuntimeError) as e:
                 return ack(False, str(e))
+            finally:   # a failed load may have written some tensors before it stopped
+                if self._prepared is not None:
+                    self._prepared.refresh()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
             return ack(True, f"updated {n} tensors; weight_version={self.weight_version}")
@@ -512,6 +517,7 @@ class EmbeddedEngine:
                 self._released = {n: p.detach().to("cpu", copy=True) for n, p in self._params.items()}
                 for p in self._params.values():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                self._prepared = None
             if any(t in tags for t in ("weights", "kv_cache", "cuda_graph")):
                 # the graphs read the parameters' old storage, and the caches are the KV memory
                 self._drop_decoders()
@@ -527,6 +533,7 @@ class EmbeddedEngine:
                     p.data = self._released[n].to(self.device)
                 self._released = None
                 self._drop_decoders()              # captured against storage that is gone
+                self._prepared = decode.Prepared.of(self.model)
         return ack(True, "resumed")
 
     # ------------------------------------------------------------------ health and info
