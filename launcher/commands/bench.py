@@ -295,14 +295,15 @@ def bench_kernels(shapes, ops, no_torch, upstream, indexer, warmup, iters, as_js
 @click.option("--prompt-len", default=None, type=int, help="tokens fed before timing (default: 16 cpu, 256 cuda)")
 @click.option("--steps", default=8, show_default=True, help="timed decode steps per batch size")
 @click.option("--warmup", default=2, show_default=True)
-@click.option("--eager", is_flag=True,
-              help="also time the decode step without its CUDA graph, same positions, beside the graphed one "
-                   "(on a CPU there is no graph: one set of rows either way)")
+@click.option("--modes", default="graph", show_default=True,
+              help="decode modes side by side, comma-separated: graph (the engine's compiled, graphed step), "
+                   "uncompiled (the same graph without torch.compile), eager (op by op); a CPU runs eager only")
+@click.option("--eager", is_flag=True, help="shorthand for --modes graph,uncompiled,eager")
 @click.option("--sync", "sync_paths", default="tensor,tensor-fp8,disk,distributed", show_default=True,
               help="weight-update paths to time (empty: none)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
-def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len, steps, warmup, eager, sync_paths,
-                  as_json):
+def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len, steps, warmup, modes, eager,
+                  sync_paths, as_json):
     """Decode tokens/s of the embedded rollout engine (its CUDA-graphed step, and with --eager the same step
     launched op by op) beside the HBM roofline of the same step, and the seconds and GB/s of each weight-update
     path."""
@@ -326,12 +327,17 @@ def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len
     say = (lambda m: click.echo(m, err=True))
     say(f"[bench] building {model} {overrides or ''} on {dev}")
     engine = EmbeddedEngine.from_preset(model, [f"{k}={v}" for k, v in overrides.items()], device=dev)
+    modes = rb.MODES if eager else tuple(m for m in modes.split(",") if m)
+    bad = [m for m in modes if m not in rb.MODES]
+    if bad or not modes:
+        raise click.BadParameter(f"{','.join(bad) or '(none)'}: choose from {', '.join(rb.MODES)}", param_hint="--modes")
     bw = rb.copy_bandwidth(engine.device)
     rows = rb.bench_decode(engine, [int(b) for b in batches.split(",") if b], prompt_len or (256 if cuda else 16),
-                           steps, warmup, bw, say, eager=eager)
+                           steps, warmup, bw, say, modes=modes)
     sync_rows = rb.bench_sync(engine, [p for p in sync_paths.split(",") if p], say)
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": model, "overrides": overrides,
               "copy_bandwidth_gb_s": bw / 1e9, "graph_capture_failed": rb.decode.GraphedStep.capture_failed,
+              "compile_failed": rb.decode.GraphedStep.compile_failed,
               "decode": [asdict(r) for r in rows],
               "sync": [asdict(r) for r in sync_rows]}
     if as_json:
@@ -340,11 +346,104 @@ def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len
     click.echo(f"device: {report['device']}   model: {model} {overrides or ''}")
     if report["graph_capture_failed"]:
         click.echo(f"CUDA graph capture failed, eager only: {report['graph_capture_failed']}")
+    if report["compile_failed"]:
+        click.echo(f"compiling the decode step failed, graphs uncompiled: {report['compile_failed']}")
     click.echo(rb.table(rows, bw))
     if sync_rows:
         click.echo(f"{'weight update':<24} {'tensors':>7} {'GB':>8} {'s':>8} {'GB/s':>7}")
         for r in sync_rows:
             click.echo(f"{r.path:<24} {r.tensors:>7} {r.bytes / 1e9:>8.3f} {r.seconds:>8.3f} {r.gb_per_s:>7.2f}")
+
+
+def peak_tflops_of(device_name: str) -> float:
+    """The dense bf16 peak of the hw/*.env whose HW_GPU_NAME is in `device_name` (the longest match: an H200
+    is not an H20), 0 where none matches."""
+    from pathlib import Path
+
+    from launcher.config.envfile import parse_file
+    best, peak = "", 0.0
+    for f in sorted((Path(__file__).resolve().parents[2] / "hw").glob("*.env")):
+        vals = {a.key: a.raw for a in parse_file(f)}   # plain values in hw files
+        name = vals.get("HW_GPU_NAME", "")
+        if name and name.lower() in device_name.lower() and len(name) > len(best) and vals.get("HW_PEAK_TFLOPS"):
+            best, peak = name, float(vals["HW_PEAK_TFLOPS"])
+    return peak
+
+
+@bench.command("step")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--model", default=None, help="model preset (default: tiny on cpu, 4layer on cuda)")
+@click.option("--model-overrides", default=None,
+              help="model field overrides (default on cuda: n_routed_experts=8, the smoke's 4-layer model)")
+@click.option("--attn-impl", type=click.Choice(["auto", "torch", "tilelang"]), default="auto", show_default=True)
+@click.option("--seq-len", type=int, default=None, help="tokens per sequence (default: 64 cpu, 4096 cuda)")
+@click.option("--global-batch", type=int, default=None, help="sequences per step (default: 2 cpu, 8 cuda: the smoke's)")
+@click.option("--micro-batch", type=int, default=1, show_default=True)
+@click.option("--recompute", type=click.Choice(["none", "full"]), default="none", show_default=True)
+@click.option("--warmup", type=int, default=2, show_default=True)
+@click.option("--steps", type=int, default=3, show_default=True, help="timed steps per variant (the median is printed)")
+@click.option("--compare", "compare", default=None, metavar="KEY=V1,V2",
+              help="time each value of a runtime switch side by side on the same weights and batches: "
+                   "head_gemm=fp32,bf16x3 or attn_impl=torch,tilelang")
+@click.option("--peak-tflops", type=float, default=None,
+              help="MFU's denominator (default: HW_PEAK_TFLOPS of the hw/*.env whose HW_GPU_NAME names this GPU)")
+@click.option("--no-profile", is_flag=True, help="skip the profiled step and its table")
+@click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
+def bench_step(device, model, model_overrides, attn_impl, seq_len, global_batch, micro_batch, recompute, warmup,
+               steps, compare, peak_tflops, no_profile, as_json):
+    """Training step speed: tokens/s, TFLOP/s and MFU of the real trainer (megatron-core DDP and optimizer, one
+    process), and a profiled step's device time by part of the model (attention, indexer, compressors,
+    hyper-connections, norms, router and dispatch, expert GEMMs, LM head and loss, optimizer, communication,
+    idle)."""
+    import torch
+
+    from dsv4.config import ModelConfig, parse_overrides
+    from dsv4.megatron import stepprof
+
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: no CUDA GPU is visible")
+    variants = None
+    if compare:
+        key, _, values = compare.partition("=")
+        if key not in ("head_gemm", "attn_impl") or not values:
+            raise click.BadParameter(f"{compare!r}: KEY=V1,V2 with KEY head_gemm or attn_impl", param_hint="--compare")
+        variants = [{key: v} for v in values.split(",") if v]
+    model = model or ("4layer" if cuda else "tiny")
+    overrides = parse_overrides(model_overrides if model_overrides is not None else
+                                ("n_routed_experts=8" if cuda else ""))
+    overrides["attn_impl"] = attn_impl if attn_impl != "auto" else ("tilelang" if cuda else "torch")
+    try:
+        cfg = ModelConfig.preset(model).with_overrides(**overrides)
+        for v in variants or []:
+            ModelConfig.preset(model).with_overrides(**{**overrides, **v})
+    except (KeyError, ValueError, TypeError) as e:
+        raise click.BadParameter(str(e), param_hint="--model-overrides/--compare") from None
+    dev = "cuda" if cuda else "cpu"
+    if peak_tflops is None:
+        peak_tflops = peak_tflops_of(torch.cuda.get_device_name()) if cuda else 0.0
+    say = (lambda m: click.echo(m, err=True))
+    res = stepprof.bench_step(cfg, seq_len=seq_len or (4096 if cuda else 64),
+                              global_batch=global_batch or (8 if cuda else 2), micro_batch=micro_batch,
+                              steps=steps, warmup=warmup, device=dev, recompute=recompute,
+                              peak_tflops=peak_tflops, variants=variants, profile=not no_profile, say=say)
+    report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": model, "overrides": overrides,
+              "peak_tflops": peak_tflops, **res, "rows": [asdict(r) for r in res["rows"]],
+              "parts": [asdict(p) for p in res["parts"]] if res["parts"] else None}
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"device: {report['device']}   model: {model} {overrides}   "
+               f"{res['tokens_per_step']:,} tokens/step, {res['flops_per_token'] / 1e9:.2f} GFLOP/token (model)"
+               + (f", peak {peak_tflops:g} TFLOP/s" if peak_tflops else ""))
+    click.echo(f"{'variant':<24} {'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'loss':>9} {'peak GB':>8}")
+    for r in res["rows"]:
+        mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
+        click.echo(f"{r.variant:<24} {r.step_s:>8.3f} {r.tokens_per_s:>10,.0f} {r.model_tflops:>8.1f} {mfu:>6} "
+                   f"{r.loss:>9.4f} {r.peak_mem_gb:>8.1f}")
+    if res["parts"]:
+        click.echo(f"\nwhere the profiled step's time goes ({res['rows'][-1].variant}):")
+        click.echo(stepprof.table(res["parts"], res["profiled_wall_s"]))
 
 
 def with_speedups(rows: list[Row]) -> list[Row]:

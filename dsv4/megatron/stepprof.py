@@ -1,0 +1,255 @@
+"""Where a training step's time goes: device time by part of the model, from one profiled step.
+
+torch.profiler records each kernel with the CPU op that launched it. Forward ops are attributed through the
+scopes that `scopes()` opens around each module's forward (the innermost part wins: the indexer's compressor
+counts as a compressor, the attention's q norm as a norm); backward ops through autograd's sequence numbers,
+which tie each backward node to the forward op that created it (a recomputed forward runs inside the same
+scopes again, so recompute lands in its part). Wherever they run, NCCL kernels count as communication;
+`optimizer_scope` marks the optimizer step; ops outside every scope are "other" (gradient buffers, norms of
+the gradient, loss reductions). Idle is the step's wall time minus the union of kernel intervals.
+
+On a CPU there are no kernels: each part's time is then its ops' own CPU time (self time, so nothing is
+counted twice) and idle is what no op accounts for.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+# module class name -> part; a block's own work (what its children do not) is the hyper-connections
+PART_OF_CLASS = {
+    "Compressor": "compressors",
+    "Indexer": "indexer",
+    "ParallelAttention": "attention", "Attention": "attention",
+    "RMSNorm": "norms", "SPRMSNorm": "norms",
+    "Gate": "router and dispatch", "ParallelMoE": "router and dispatch", "MoE": "router and dispatch",
+    "Expert": "expert GEMMs",
+    "ParallelBlock": "hyper-connections", "ParallelMTPBlock": "hyper-connections",
+    "Block": "hyper-connections", "MTPBlock": "hyper-connections",
+    "VocabParallelEmbedding": "embedding", "Embedding": "embedding",
+    "DSV4Stage": "LM head and loss", "Transformer": "LM head and loss",
+}
+PARTS = ("attention", "indexer", "compressors", "hyper-connections", "norms", "router and dispatch",
+         "expert GEMMs", "LM head and loss", "embedding", "optimizer", "communication", "other", "idle")
+_SCOPE = "part::"
+_BACKWARD = "autograd::engine::evaluate_function"
+
+
+@contextlib.contextmanager
+def scopes(root: nn.Module):
+    """Open a profiler scope named for its part around the forward of every module of `root` that has one."""
+    handles, stack = [], []
+
+    def pre(part):
+        def hook(module, args):
+            rf = torch.profiler.record_function(_SCOPE + part)
+            rf.__enter__()
+            stack.append(rf)
+        return hook
+
+    def post(module, args, output):
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    for m in root.modules():
+        part = PART_OF_CLASS.get(type(m).__name__)
+        if part is not None:
+            handles += [m.register_forward_pre_hook(pre(part)), m.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def optimizer_scope():
+    with torch.profiler.record_function(_SCOPE + "optimizer"):
+        yield
+
+
+@dataclass
+class Part:
+    name: str
+    ms: float
+    share: float          # of the step's wall time
+    kernels: int
+
+
+def _scope_of(e) -> str | None:
+    while e is not None:
+        if e.name.startswith(_SCOPE):
+            return e.name[len(_SCOPE):]
+        e = e.cpu_parent
+    return None
+
+
+def _backward_node(e):
+    while e is not None:
+        if e.name.startswith(_BACKWARD):
+            return e
+        e = e.cpu_parent
+    return None
+
+
+def _is_comm(name: str) -> bool:
+    n = name.lower()
+    return "nccl" in n or n.startswith("c10d::") or "all_reduce" in n or "allreduce" in n
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def breakdown(events, wall_s: float) -> list[Part]:
+    """Parts of one step from the profiler's function events (`prof.events()`) and the step's wall time."""
+    events = list(events)
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    # forward: the part of every op with a sequence number, for the backward nodes that carry the same number
+    part_of_seq: dict[int, str] = {}
+    for e in cpu:
+        if e.sequence_nr is not None and e.sequence_nr >= 0 and _backward_node(e) is None:
+            part = _scope_of(e)
+            if part is not None:
+                part_of_seq[e.sequence_nr] = part
+
+    def part_of(e) -> str:
+        if _is_comm(e.name):
+            return "communication"
+        scope = _scope_of(e)
+        if scope is not None:
+            return scope
+        node = _backward_node(e)
+        if node is not None:
+            return part_of_seq.get(node.sequence_nr, "other")
+        return "other"
+
+    us = dict.fromkeys(PARTS, 0.0)
+    count = dict.fromkeys(PARTS, 0)
+    kernel_spans = [(e.time_range.start, e.time_range.end) for e in events
+                    if e.device_type != torch.autograd.DeviceType.CPU]
+    if kernel_spans:
+        for e in cpu:
+            for k in e.kernels:
+                part = "communication" if _is_comm(k.name) else part_of(e)
+                us[part] += k.duration
+                count[part] += 1
+        busy = _union_us(kernel_spans)
+    else:   # CPU: each op's own time
+        for e in cpu:
+            if e.name.startswith(_SCOPE) or e.name.startswith(_BACKWARD):
+                continue
+            us[part_of(e)] += e.self_cpu_time_total
+            count[part_of(e)] += 1
+        busy = sum(us.values())
+    us["idle"] = max(wall_s * 1e6 - busy, 0.0)
+    return [Part(p, us[p] / 1e3, us[p] / (wall_s * 1e6), count[p]) for p in PARTS if us[p] > 0 or p == "idle"]
+
+
+def table(parts: list[Part], wall_s: float) -> str:
+    lines = [f"{'part':<22} {'ms':>9} {'share':>7} {'kernels':>8}"]   # on a CPU: ops
+    for p in sorted(parts, key=lambda p: (p.name == "idle", -p.ms)):
+        lines.append(f"{p.name:<22} {p.ms:>9.1f} {p.share:>7.1%} {p.kernels:>8}")
+    lines.append(f"{'step (wall)':<22} {wall_s * 1e3:>9.1f} {1:>7.0%}")
+    return "\n".join(lines)
+
+
+# ================================================================================================ the bench
+@dataclass
+class StepRow:
+    variant: str          # e.g. "head_gemm=bf16x3"
+    step_s: float         # median over the timed steps
+    tokens_per_s: float
+    model_tflops: float
+    mfu: float | None
+    loss: float           # on one fixed batch with the starting weights: the variants' numerics side by side
+    peak_mem_gb: float
+
+
+def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps: int, warmup: int, device: str,
+               recompute: str = "none", peak_tflops: float = 0.0, variants: list[dict] | None = None,
+               profile: bool = True, seed: int = 1234, say=print) -> dict:
+    """Time `steps` training steps after `warmup` (one process, world size 1, the real Trainer: megatron-core's
+    DDP, optimizer and schedule) for each variant, then profile one more step of the last variant.
+
+    A variant sets ModelConfig fields that only choose how the same math runs (head_gemm, attn_impl) on the
+    trainer's own config, so every variant runs in one process on the same data; each row's loss is taken on
+    one fixed batch with the starting weights before anything trains, so the losses differ only by numerics."""
+    import statistics
+    import time
+
+    from dsv4.flops import train_flops_per_token
+    from dsv4.megatron.launch import free_port
+    from dsv4.megatron.parallel import Layout, init_parallel
+    from dsv4.megatron.train import TrainConfig, Trainer, init_distributed, peak_memory_gb, split_micro_batches
+
+    init_distributed(0, 1, "nccl" if device == "cuda" else "gloo", device, "127.0.0.1", free_port())
+    init_parallel(Layout(), seed)
+    variants = variants or [{}]
+    tc = TrainConfig(model=cfg, seq_len=seq_len, micro_batch_size=micro_batch, global_batch_size=global_batch,
+                     num_steps=len(variants) * (warmup + steps) + 1, lr=1e-5, seed=seed, device=device,
+                     recompute=recompute, nonfinite_hooks=False, peak_tflops=peak_tflops)
+    say(f"[bench] building the trainer: {cfg.n_layers} layers, {cfg.n_routed_experts} experts, {device}")
+    trainer = Trainer(tc)
+    g = torch.Generator().manual_seed(seed)
+
+    def batch():
+        tokens = torch.randint(0, cfg.vocab_size, (global_batch, seq_len + 1), generator=g)
+        return split_micro_batches({"tokens": tokens, "loss_mask": torch.ones(global_batch, seq_len)}, micro_batch)
+
+    flops, _ = train_flops_per_token(cfg, seq_len, recompute=recompute == "full")
+    tokens = global_batch * seq_len
+    fixed = batch()
+    losses = []
+    for v in variants:
+        for k, val in v.items():
+            setattr(cfg, k, val)
+        losses.append(trainer.eval_loss(fixed)[0])
+    rows = []
+    for v, loss in zip(variants, losses):
+        for k, val in v.items():
+            setattr(cfg, k, val)
+        name = " ".join(f"{k}={val}" for k, val in v.items()) or "as configured"
+        times = []
+        for i in range(warmup + steps):
+            res = trainer.step(batch())
+            if not res.finite:
+                raise RuntimeError(f"{name}: a non-finite step (loss {res.loss})")
+            if i >= warmup:
+                times.append(res.step_time_s)
+        t = statistics.median(times)
+        tflops = flops * tokens / t / 1e12
+        rows.append(StepRow(name, t, tokens / t, tflops, tflops / peak_tflops if peak_tflops else None, loss,
+                            peak_memory_gb(device)))
+        say(f"[bench] {name}: {t:.3f} s/step, {tokens / t:,.0f} tokens/s, {tflops:.1f} TFLOP/s"
+            + (f", MFU {tflops / peak_tflops:.1%}" if peak_tflops else ""))
+    parts = None
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        step_opt = trainer.optimizer.step
+
+        def scoped_step(*a, **kw):
+            with optimizer_scope():
+                return step_opt(*a, **kw)
+        trainer.optimizer.step = scoped_step
+        micro = batch()
+        with scopes(trainer.stage), torch_profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            trainer.step(micro)
+            wall = time.perf_counter() - t0
+        trainer.optimizer.step = step_opt
+        parts = breakdown(prof.events(), wall)
+        say(f"[bench] profiled step: {wall:.3f} s (profiler overhead included)")
+    return {"flops_per_token": flops, "tokens_per_step": tokens, "rows": rows, "parts": parts,
+            "profiled_wall_s": wall if profile else None}
