@@ -83,11 +83,9 @@ def check_against_checkpoint(m, ckpt_dir: Path) -> None:
 
 def layout_from(cfg: dict):
     from dsv4.megatron.parallel import Layout
-    if cfg.get("PRESET_CP", 1) != 1:
-        raise ValueError(f"PRESET_CP={cfg['PRESET_CP']}: context parallelism is not implemented by dsv4.megatron; set PRESET_CP=1")
     stages = cfg.get("PP_STAGE_LAYERS")
     return Layout(tp=cfg["PRESET_TP"], pp=cfg["PRESET_PP"], ep=cfg["PRESET_EP"], etp=cfg.get("PRESET_ETP", 1),
-                  stage_layers=tuple(stages) if stages else None)
+                  stage_layers=tuple(stages) if stages else None, cp=cfg.get("PRESET_CP", 1))
 
 
 def train_config(cfg: dict):
@@ -132,7 +130,7 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: SFTJo
     out = Outputs(checkpoints=ctx.paths.checkpoints,
                   init_checkpoint=torch_dist if torch_dist and done(torch_dist) else None,
                   reload_check=step_dir / "reload_check.json", nonfinite=step_dir / "nonfinite.json")
-    rows_per_rank = tc.global_batch_size // (world // (tc.layout.tp * tc.layout.pp))
+    rows_per_rank = tc.global_batch_size // (world // (tc.layout.tp * tc.layout.pp * tc.layout.cp))
     return run_sft(tc, job.data.step_batches(rows_per_rank), out, on_metrics=ctx.write_metrics, log=log)
 
 

@@ -8,7 +8,8 @@ reference classes. Module and parameter names are the official ones, with global
 numbers, so a checkpoint converts by name.
 
 With TP = EP = 1 every layer runs the same operations on the same tensors as the reference, so the
-single-process model reproduces it bit for bit.
+single-process model reproduces it bit for bit. With CP > 1 only attention changes (ParallelAttention's
+_forward_cp, cp_attention.py): every other layer is per token and runs on the rank's positions as it is.
 """
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dsv4 import model as ref
+from dsv4 import quant
 from dsv4.config import ModelConfig
 from dsv4.kernels import reference as kref
-from dsv4.megatron.parallel import (Ranks, mark_expert, mark_replicated, mark_tp, sp_gather, sp_reduce_scatter,
-                                    sp_slice, tp_all_gather_nograd)
+from dsv4.megatron import cp_attention as cpa
+from dsv4.megatron.parallel import (CPSplit, Ranks, cp_all_reduce_nograd, mark_expert, mark_replicated, mark_tp,
+                                    sp_gather, sp_reduce_scatter, sp_slice, tp_all_gather_nograd)
 
 
 def _replicate_all(module: nn.Module) -> nn.Module:
@@ -97,7 +100,7 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, layer_id: int, cfg: ModelConfig, ranks: Ranks):
         super().__init__()
-        self.cfg, self.layer_id, self.tp = cfg, layer_id, ranks.tp
+        self.cfg, self.layer_id, self.tp, self.cp = cfg, layer_id, ranks.tp, ranks.cp
         self.ratio = cfg.layer_ratio(layer_id)
         dt = ref.torch_dtype(cfg)
         tp, H, D = ranks.tp, cfg.n_heads, cfg.head_dim
@@ -126,6 +129,8 @@ class ParallelAttention(nn.Module):
         loss joins the backward with this weight."""
         cfg = self.cfg
         x = sp_gather(x_sp)
+        if self.cp > 1:
+            return self._forward_cp(x, aux_weight)
         B, S, _ = x.shape
         cos, sin = ref.rope_cos_sin(self.freqs, torch.arange(S, device=x.device))
         qr = self.q_norm(self.wq_a(x))
@@ -153,16 +158,81 @@ class ParallelAttention(nn.Module):
         return out
 
     def indexer_loss(self, q, kv_all, idx, cmp_idx, index_logits, S) -> torch.Tensor:
-        """The reference KL loss; its target sums attention over ALL heads, so the heads are gathered.
-        Every TP rank then holds the whole loss: its gradient is divided by TP because the replicated
-        indexer's gradients are summed over TP."""
+        """The reference KL loss (compressed rows of kv_all start at row S); its target sums attention over
+        ALL heads, so the heads are gathered. Every TP rank then holds the whole loss: its gradient is divided
+        by TP because the replicated indexer's gradients are summed over TP. Under CP the loss is a mean over
+        the rows of the whole sequence: each rank's mean is weighted by its share of those rows, and DDP's
+        sum over CP adds the shares up."""
         with torch.no_grad():
             _, lse = kref.sparse_attn_gather_lse(q, kv_all, self.attn_sink, idx, self.softmax_scale)
             q_all = tp_all_gather_nograd(q.detach(), dim=2)
             lse_all = tp_all_gather_nograd(lse, dim=2)
         loss = ref.indexer_kl_loss(index_logits, cmp_idx, q_all, kv_all[:, S:].detach(), lse_all, self.softmax_scale)
+        if self.cp > 1:
+            rows = (cmp_idx >= 0).any(-1).sum().to(loss.dtype)
+            loss = loss * rows / cp_all_reduce_nograd(rows).clamp(min=1)
         self.last_indexer_loss = loss.detach()
         return loss / self.tp
+
+    # ---------------------------------------------------------------------------------- context parallel
+    def _forward_cp(self, x: torch.Tensor, aux_weight: float | None) -> torch.Tensor:
+        """forward() on this CP rank's two chunks (x [B, 2L, dim], see cp_attention): the same math at the
+        tokens' global positions, with the window and the compressed entries gathered across the split."""
+        cfg = self.cfg
+        B, S_loc, _ = x.shape
+        split = CPSplit.local(S_loc)
+        pos = split.positions(x.device)
+        cos, sin = ref.rope_cos_sin(self.freqs, pos)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))
+        q = ref.rope_tail(ref.rms_norm(q, None, cfg.norm_eps), cos, sin)
+        ext = cpa.extend_chunks(x, split, cpa.halo_reach(cfg.window_size, self.ratio))
+        kv_rows, win, offset = [], [], 0
+        for (e, start), g in zip(ext, split.starts):
+            ecos, esin = ref.rope_cos_sin(self.freqs, torch.arange(start, start + e.shape[1], device=x.device))
+            kv = ref.rope_tail(self.kv_norm(self.wkv(e)), ecos, esin)
+            if cfg.qat_kv_fp8:
+                kv = ref._kv_fp8_qat(kv, cfg.rope_head_dim)
+            kv_rows.append(kv)
+            win.append(cpa.window_idxs(g, split.L, split.S, cfg.window_size, start, offset, x.device))
+            offset += e.shape[1]
+        kv_all = torch.cat(kv_rows, dim=1)
+        idx = torch.cat(win).expand(B, -1, -1)
+        cmp_idx, index_logits = None, None
+        if self.ratio:
+            mine = [cpa.chunk_entries(self.compressor, e, start, g, split.L, self.freqs, x.dtype)
+                    for (e, start), g in zip(ext, split.starts)]
+            cmp = cpa.gather_entries(mine, split, self.ratio, anchor=self.compressor.ape)
+            kv_all = torch.cat([kv_all, cmp], dim=1)
+            if self.ratio == 4:
+                cmp_idx, index_logits = self._indexer_cp(x.detach(), qr.detach(), cos, sin, ext, split)
+                idx_c = torch.where(cmp_idx >= 0, cmp_idx + offset, -1)
+            else:
+                idx_c = cpa.compressed_idxs(pos, self.ratio, cmp.shape[1], offset).expand(B, -1, -1)
+            idx = torch.cat([idx, idx_c], dim=-1)
+        idx = idx.int().contiguous()
+        o = ref.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale, impl=cfg.attn_impl)
+        o = ref.rope_tail(o, cos, sin, inverse=True)
+        out = sp_reduce_scatter(self.wo_b(ref.grouped_output(o, self.wo_a.qat_weight_value(), self.n_local_groups)))
+        if aux_weight is not None and index_logits is not None and cmp_idx.shape[-1] > 0:
+            out = AttachAuxLoss.apply(out, self.indexer_loss(q, kv_all, idx, cmp_idx, index_logits, offset),
+                                      aux_weight)
+        return out
+
+    def _indexer_cp(self, x, qr, cos, sin, ext, split: CPSplit):
+        """dsv4.model.Indexer.forward with the keys of every rank's chunks and top-k over all of them.
+        x and qr arrive detached, and so do the halo rows its compressor reads."""
+        ix, cfg = self.indexer, self.cfg
+        q = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))
+        q = ref.hadamard(ref.rope_tail(q, cos, sin))
+        if cfg.qat_indexer_fp4:
+            q = quant.fp4_act_qdq(q, 32)
+        mine = [cpa.chunk_entries(ix.compressor, e.detach(), start, g, split.L, self.freqs, x.dtype)
+                for (e, start), g in zip(ext, split.starts)]
+        k = cpa.gather_entries(mine, split, 4, anchor=ix.compressor.ape)
+        w = ix.weights_proj(x).float() * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
+        logits = cpa.indexer_logits(q, k, w, split, cfg.attn_impl)
+        return kref.indexer_topk(logits, cfg.index_topk), logits
 
 
 # ================================================================================================ MoE

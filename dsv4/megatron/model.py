@@ -2,8 +2,9 @@
 
 A stage holds the global layers the layout gives it (named `layers.{global id}`), the embedding on the
 first stage and, on the last, hc_head, the final norm, the vocab-parallel head and the MTP blocks.
-Stages exchange the hc residual streams through megatron's pipeline schedules as [S/TP, B, hc*dim]
-(the shape the schedules allocate: sequence, micro-batch, "hidden" = hc*dim).
+Stages exchange the hc residual streams through megatron's pipeline schedules as [S/(CP*TP), B, hc*dim]
+(the shape the schedules allocate: sequence, micro-batch, "hidden" = hc*dim). With CP > 1 each stage is
+given the whole micro-batch and keeps its CP rank's positions (parallel.CPSplit).
 
 Parameter names are the official checkpoint names on every rank, so `sharded_state_dict` and
 `load_weights` map names one to one; only the slice each rank holds differs.
@@ -22,7 +23,7 @@ from dsv4 import model as ref
 from dsv4.config import ModelConfig
 from dsv4.megatron.layers import (ParallelBlock, ParallelMTPBlock, SPRMSNorm, VocabParallelEmbedding,
                                   column_linear)
-from dsv4.megatron.parallel import Layout, Ranks, mark_replicated, shard_index, sharded_tensor, sp_gather
+from dsv4.megatron.parallel import Layout, Ranks, cp_slice, mark_replicated, shard_index, sharded_tensor, sp_gather
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ def transformer_config(cfg: ModelConfig, layout: Layout):
     return TransformerConfig(
         num_layers=cfg.n_layers, hidden_size=cfg.hc_mult * cfg.dim, num_attention_heads=cfg.n_heads,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,      # the schedules' stream shapes are S / (CP * TP)
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.tp > 1, params_dtype=dt, pipeline_dtype=dt, bf16=dt == torch.bfloat16,
         num_moe_experts=cfg.n_routed_experts, moe_router_topk=cfg.n_activated_experts,
@@ -54,8 +56,9 @@ def transformer_config(cfg: ModelConfig, layout: Layout):
 
 class DSV4Stage(nn.Module):
     """The layers of one pipeline stage. forward(ids, labels, loss_mask):
-    * first/middle stages return the streams for the next stage, [S/TP, B, hc*dim];
-    * the last stage returns sums over this micro-batch's loss tokens, [lm_ce_sum, mtp_ce_sum] (fp32)."""
+    * first/middle stages return the streams for the next stage, [S/(CP*TP), B, hc*dim];
+    * the last stage returns sums over this micro-batch's loss tokens, [lm_ce_sum, mtp_ce_sum] (fp32); under
+      CP over this rank's positions only (the trainer adds the CP ranks up)."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout, ranks: Ranks, objective: Objective, config=None):
         super().__init__()
@@ -121,6 +124,12 @@ class DSV4Stage(nn.Module):
         "allowed": [V] bool | None} makes the last stage return the log-probability of each label under
         logits / temperature over the allowed tokens, [B, S] fp32 (RL: how the rollout engine sampled)."""
         cfg = self.cfg
+        full_ids, full_labels, full_mask = ids, labels, loss_mask
+        if self.ranks.cp > 1:
+            if score is not None:
+                raise NotImplementedError("scoring (RL log-probabilities) under context parallelism: run RL with CP=1")
+            # the MTP targets are shifts of the WHOLE sequence, taken before the split (see below)
+            ids, labels, loss_mask = (None if t is None else cp_slice(t) for t in (ids, labels, loss_mask))
         if self.ranks.first_stage:
             X = self.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
         else:
@@ -142,15 +151,16 @@ class DSV4Stage(nn.Module):
             H = X
             for k, blk in enumerate(self.mtp.values()):
                 # block k: position t sees token t+k+1 and predicts token t+k+2 = labels[t+k+1]
-                H = blk(H, _shift(ids, k + 1), self.embed, aux_weight)
+                H = blk(H, cp_slice(_shift(full_ids, k + 1)), self.embed, aux_weight)
                 logits = self.head_logits(H, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, blk.norm)
-                mtp = mtp + (self.cross_entropy(logits, _shift(labels, k + 1)) * _shift(loss_mask, k + 1)).sum()
+                mtp = mtp + (self.cross_entropy(logits, cp_slice(_shift(full_labels, k + 1)))
+                             * cp_slice(_shift(full_mask, k + 1))).sum()
         return torch.stack([lm, mtp])
 
     def head_logits(self, X, fn, scale, base, norm) -> torch.Tensor:
         """Vocab-parallel logits [B, S, V/TP] (fp32) of the streams X [B, S/TP, hc, dim]."""
         y = ref.hc_head(X, fn, scale, base, self.cfg.hc_eps, self.cfg.norm_eps)
-        return F.linear(sp_gather(norm(y).float()), self.head.weight.float())
+        return ref.head_linear(sp_gather(norm(y).float()), self.head.weight, self.cfg)
 
     def _scored_logits(self, logits: torch.Tensor, score: dict) -> torch.Tensor:
         """logits / temperature, tokens outside the allowed set pushed to -1e30 (finite: the vocab-parallel

@@ -16,6 +16,12 @@ Conventions
   (`mark_tp`) or summed over TP (`mark_replicated`).
 * Routed-expert parameters are marked `allreduce=False`: megatron's DDP then averages them over the
   expert-data-parallel group instead of the data-parallel group.
+* Context parallelism (CP > 1) splits each sequence over the CP group (megatron-core's
+  context-parallel group): the sequence is cut into 2*CP equal chunks and CP rank r holds chunks r
+  and 2*CP-1-r, concatenated, so every rank gets the same share of causal attention work. Everything
+  but attention is per token and runs unchanged on the local positions; attention exchanges what
+  crosses the chunk edges (dsv4/megatron/cp_attention.py). Parameters are replicated over CP and
+  megatron's DDP sums their gradients over DP x CP, as for DP.
 """
 from __future__ import annotations
 
@@ -31,13 +37,15 @@ from dsv4.config import ModelConfig
 @dataclass(frozen=True)
 class Layout:
     """How one training job splits the model: tensor (tp), pipeline (pp), expert (ep) and expert-tensor
-    (etp) parallel sizes, and the transformer layers of each pipeline stage (None: an even split).
-    Data parallel size follows from the world size: dp = world / (tp * pp)."""
+    (etp) parallel sizes, the transformer layers of each pipeline stage (None: an even split), and the
+    context-parallel size (cp: ranks that share one sequence). Data parallel size follows from the world
+    size: dp = world / (tp * pp * cp)."""
     tp: int = 1
     pp: int = 1
     ep: int = 1
     etp: int = 1
     stage_layers: tuple[int, ...] | None = None
+    cp: int = 1
 
     def layers_per_stage(self, cfg: ModelConfig) -> tuple[int, ...]:
         if self.stage_layers is not None:
@@ -54,9 +62,12 @@ class Layout:
 
     def validate(self, cfg: ModelConfig, world: int, seq_len: int | None = None) -> "Layout":
         errs = []
-        if world % (self.tp * self.pp):
-            errs.append(f"TP*PP = {self.tp}*{self.pp} does not divide the world size {world}")
-        dp = world // (self.tp * self.pp) if world % (self.tp * self.pp) == 0 else 0
+        mp = self.tp * self.pp * self.cp
+        if self.cp < 1:
+            errs.append(f"CP={self.cp} must be >= 1")
+        if world % mp:
+            errs.append(f"TP*PP*CP = {self.tp}*{self.pp}*{self.cp} does not divide the world size {world}")
+        dp = world // mp if mp and world % mp == 0 else 0
         if cfg.n_heads % self.tp or cfg.o_groups % self.tp:
             errs.append(f"TP={self.tp} must divide n_heads={cfg.n_heads} and o_groups={cfg.o_groups}")
         if cfg.vocab_size % self.tp:
@@ -67,12 +78,17 @@ class Layout:
             errs.append(f"ETP={self.etp}: dsv4.megatron supports ETP=1 (whole experts) or ETP=TP={self.tp}")
         if cfg.n_routed_experts % self.ep:
             errs.append(f"EP={self.ep} must divide n_routed_experts={cfg.n_routed_experts}")
-        if dp and (dp * self.tp) % (self.ep * self.etp):
-            errs.append(f"EP*ETP={self.ep}*{self.etp} must divide DP*TP={dp}*{self.tp}")
+        if dp and (dp * self.cp * self.tp) % (self.ep * self.etp):
+            # megatron folds CP into the expert data-parallel dimension: experts see DP*CP*TP ranks
+            errs.append(f"EP*ETP={self.ep}*{self.etp} must divide DP*CP*TP={dp}*{self.cp}*{self.tp}")
         if cfg.moe_inter_dim % self.etp:
             errs.append(f"ETP={self.etp} must divide moe_inter_dim={cfg.moe_inter_dim}")
-        if seq_len is not None and self.tp > 1 and seq_len % self.tp:
-            errs.append(f"sequence length {seq_len} must be a multiple of TP={self.tp} (sequence parallelism)")
+        if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
+            errs.append(f"sequence length {seq_len} must be a multiple of 2*CP={2 * self.cp} "
+                        f"(the load-balanced split cuts it into 2*CP equal chunks)")
+        elif seq_len is not None and self.tp > 1 and (seq_len // max(self.cp, 1)) % self.tp:
+            errs.append(f"sequence length {seq_len} / CP={self.cp} must be a multiple of TP={self.tp} "
+                        f"(sequence parallelism)")
         try:
             counts = self.layers_per_stage(cfg)
             if len(counts) != self.pp or sum(counts) != cfg.n_layers or min(counts) < 0:
@@ -92,6 +108,7 @@ def init_parallel(layout: Layout, seed: int) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                 context_parallel_size=layout.cp,
                                  expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -112,6 +129,9 @@ class Ranks:
     etp: int
     etp_rank: int
     edp_rank: int
+    cp: int = 1
+    cp_rank: int = 0
+    dp_cp_rank: int = 0          # rank among the replicas of this rank's parameters (DP x CP)
 
     @property
     def first_stage(self) -> bool:
@@ -131,7 +151,9 @@ class Ranks:
             dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
             ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
             etp=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
-            edp_rank=ps.get_expert_data_parallel_rank())
+            edp_rank=ps.get_expert_data_parallel_rank(),
+            cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+            dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
 # ================================================================================================ SP mappings
@@ -177,6 +199,101 @@ def tp_all_gather_nograd(x: torch.Tensor, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp)]
     dist.all_gather(parts, x.contiguous(), group=ps.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=dim)
+
+
+# ================================================================================================ CP mappings
+@dataclass(frozen=True)
+class CPSplit:
+    """Which positions of an S-token sequence CP rank `rank` holds: chunks `rank` and 2*cp-1-`rank` of
+    2*cp equal chunks of L = S/(2*cp) tokens, in that order. The early chunk's queries see little of the
+    sequence and the late one's almost all of it, so each rank does the same attention work."""
+    cp: int
+    rank: int
+    S: int
+
+    @property
+    def L(self) -> int:
+        return self.S // (2 * self.cp)
+
+    @property
+    def chunks(self) -> tuple[int, int]:
+        return self.rank, 2 * self.cp - 1 - self.rank
+
+    @property
+    def starts(self) -> tuple[int, int]:
+        return tuple(c * self.L for c in self.chunks)
+
+    def owner(self, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(CP rank, slot 0|1) holding each chunk id in `chunk`."""
+        late = chunk >= self.cp
+        return torch.where(late, 2 * self.cp - 1 - chunk, chunk), late.long()
+
+    def positions(self, device=None) -> torch.Tensor:
+        """Global position of each local row, [2L] int64."""
+        return torch.cat([torch.arange(g, g + self.L, device=device) for g in self.starts])
+
+    @classmethod
+    def local(cls, S_local: int) -> "CPSplit":
+        """This rank's split of a sequence of which it holds S_local positions."""
+        from megatron.core import parallel_state as ps
+        cp = ps.get_context_parallel_world_size()
+        return cls(cp, ps.get_context_parallel_rank(), S_local * cp)
+
+
+def _cp_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_context_parallel_group()
+
+
+def cp_size() -> int:
+    from megatron.core import parallel_state as ps
+    return ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
+def cp_slice(x: torch.Tensor) -> torch.Tensor:
+    """This CP rank's positions of a [B, S, ...] tensor every rank holds whole (ids, labels, masks)."""
+    cp = cp_size()
+    if cp == 1:
+        return x
+    sp = CPSplit.local(x.shape[1] // cp)
+    return torch.cat([x[:, g:g + sp.L] for g in sp.starts], dim=1)
+
+
+class _CPAllGather(torch.autograd.Function):
+    """x [n, ...] -> [CP, n, ...], every CP rank's x. Each rank's copy of another rank's rows feeds its
+    own part of the loss, so the gradient of a rank's x is the SUM over CP of the gradients of its copies:
+    backward is a reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = dist.get_world_size(group)
+        x = x.contiguous()
+        out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=group)   # gloo and NCCL both want the flat dim-0 layout
+        return out.view((n,) + tuple(x.shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[0]
+        grad = grad.contiguous().view((n * grad.shape[1],) + tuple(grad.shape[2:]))
+        out = torch.empty((grad.shape[0] // n,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def cp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """[n, ...] -> [CP, n, ...] with the reduce-scatter backward (see _CPAllGather)."""
+    return _CPAllGather.apply(x, _cp_group())
+
+
+def cp_all_reduce_nograd(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the CP group, outside autograd (counts)."""
+    if cp_size() == 1:
+        return x
+    x = x.detach().clone()
+    dist.all_reduce(x, group=_cp_group())
+    return x
 
 
 # ================================================================================================ marks
@@ -226,5 +343,6 @@ def sharded_tensor(key: str, param: torch.Tensor, ranks: Ranks, copy_index: int 
         tp_replica = 0
     else:
         tp_replica = 0 if expert else ranks.tp_rank   # whole experts are unique across TP when EP spans it
-    replica_id = (copy_index, tp_replica, ranks.edp_rank if expert else ranks.dp_rank)
+    # CP ranks hold identical replicas too: without the CP coordinate two ranks would claim the same replica
+    replica_id = (copy_index, tp_replica, ranks.edp_rank if expert else ranks.dp_cp_rank)
     return ShardedTensor.from_rank_offsets(key, param, *offsets, replica_id=replica_id)

@@ -33,7 +33,7 @@ from dsv4.fileio import atomic_write
 from dsv4.megatron import cpu_shim
 from dsv4.megatron.model import DSV4Stage, Objective, model_provider
 from dsv4.megatron.nanwatch import NonFiniteMonitor, PlantSpec, run_facts
-from dsv4.megatron.parallel import Layout, Ranks, shard_index
+from dsv4.megatron.parallel import Layout, Ranks, cp_slice, shard_index
 
 EXIT_NONFINITE = 16
 LATEST = "latest_checkpointed_iteration.txt"
@@ -280,14 +280,17 @@ class Trainer:
         obj, stage = self.tc.objective, self.stage
         aux = None
         if obj.indexer_coeff > 0 and stage.n_indexer_layers:
+            # the micro-batch's whole count also under CP: each CP rank's indexer loss is its share of the mean
             aux = obj.indexer_coeff * float(n_tokens) / stage.n_indexer_layers
         out = model(ids, labels, loss_mask, aux_weight=aux)
+        # the loss sums cover this CP rank's positions; megatron adds the counts up over DP x CP
+        n_mine = cp_slice(loss_mask).sum()
 
         def loss_func(sums):
             loss = sums[0] + obj.mtp_coeff * sums[1] if stage.train_mtp else sums[0]
-            n = n_tokens.to(torch.int)
-            return loss, n, {"lm": torch.stack([sums[0].detach(), n_tokens]),
-                             "mtp": torch.stack([sums[1].detach(), n_tokens])}
+            n = n_mine.to(torch.int)
+            return loss, n, {"lm": torch.stack([sums[0].detach(), n_mine]),
+                             "mtp": torch.stack([sums[1].detach(), n_mine])}
         return out, loss_func
 
     def step(self, micro_batches: list[dict], update: bool = True, on_grads: Callable | None = None) -> StepResult:
@@ -330,7 +333,7 @@ class Trainer:
         return res
 
     def _reduce_losses(self, store) -> tuple[float, float, int]:
-        """Sum the last stage's per-micro-batch loss sums over DP and share them with every rank."""
+        """Sum the last stage's per-micro-batch loss sums over DP and CP and share them with every rank."""
         t = torch.zeros(3, dtype=torch.float64)
         if self.ranks.last_stage and self.ranks.tp_rank == 0:
             for d in store:
@@ -364,13 +367,14 @@ class Trainer:
 
     def _counts_for_norm(self, p) -> bool:
         """Each logical gradient element once: replicas over TP count on TP rank 0 only; whole experts
-        are unique per rank in their expert-tensor group; DP replicas are divided out below."""
+        are unique per rank in their expert-tensor group (whose data-parallel rank folds CP in); DP and CP
+        replicas count on their rank 0."""
         if getattr(p, "shared", False):                  # the last stage's copy of the embedding
             return False
         expert = not getattr(p, "allreduce", True)
         if expert:
             return self.ranks.edp_rank == 0
-        return self.ranks.dp_rank == 0 and (getattr(p, "tensor_model_parallel", False) or self.ranks.tp_rank == 0)
+        return self.ranks.dp_cp_rank == 0 and (getattr(p, "tensor_model_parallel", False) or self.ranks.tp_rank == 0)
 
     def _locate_nonfinite(self, res: StepResult) -> dict:
         """The first non-finite module: earliest forward output on the earliest pipeline stage; else the
@@ -530,8 +534,9 @@ def run_sft(tc: TrainConfig, step_batches: Callable[[int, int, int], Iterator[di
                                                recompute=tc.recompute == "full")
     kill_at = int(os.environ.get("V4_KILL_AT_STEP", "0") or 0)     # test hook: die inside this step
     ckpt = latest_checkpoint(out.checkpoints)
-    say(f"training steps {start + 1}..{tc.num_steps} on {r.world} rank(s): TP={r.tp} PP={r.pp} EP={r.ep} "
-        f"ETP={r.etp} DP={r.dp}, {trainer.n_micro} micro-batch(es) of {tc.micro_batch_size} x {tc.seq_len} per rank")
+    say(f"training steps {start + 1}..{tc.num_steps} on {r.world} rank(s): TP={r.tp} PP={r.pp} CP={r.cp} EP={r.ep} "
+        f"ETP={r.etp} DP={r.dp}, {trainer.n_micro} micro-batch(es) of {tc.micro_batch_size} x {tc.seq_len} per rank"
+        + (f" ({tc.seq_len // r.cp} positions each over CP)" if r.cp > 1 else ""))
     for step in range(start + 1, tc.num_steps + 1):
         micro = split_micro_batches(next(batches), tc.micro_batch_size)
         if step == kill_at and r.rank == 0:

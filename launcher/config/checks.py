@@ -32,8 +32,9 @@ POSITIVE_KEYS = ("PRESET_TP", "PRESET_PP", "PRESET_CP", "PRESET_EP", "PRESET_ETP
                  "V4_NUM_GPUS_PER_NODE", "PRESET_GLOBAL_BATCH_SIZE", "PRESET_MICRO_BATCH_SIZE",
                  "PRESET_NUM_STEPS", "PRESET_SEQ_LEN", "HW_SMOKE_SEQ_LEN", "HW_MAX_TOKENS_PER_GPU",
                  "V4_SSH_RETRIES", "V4_ROLLOUT_TP", "V4_ROLLOUT_EP", "V4_ROLLOUT_DP")
-NON_NEGATIVE_KEYS = ("PRESET_NUM_NODES", "PRESET_SAVE_INTERVAL", "PRESET_SAVE_RETAIN_INTERVAL",
-                     "PRESET_PP_FIRST_LAYERS", "PRESET_PP_LAST_LAYERS", "PRESET_LR_WARMUP_ITERS",
+NON_NEGATIVE_KEYS = ("PRESET_NUM_NODES", "PRESET_GPUS_PER_NODE", "HW_CP_SMOKE_GPUS_PER_NODE",
+                     "PRESET_SAVE_INTERVAL", "PRESET_SAVE_RETAIN_INTERVAL", "PRESET_PP_FIRST_LAYERS",
+                     "PRESET_PP_LAST_LAYERS", "PRESET_LR_WARMUP_ITERS",
                      "PRESET_LR", "PRESET_MIN_LR", "PRESET_WEIGHT_DECAY",
                      "PRESET_MTP_LOSS_COEFF", "HW_GPU_MEMORY_GB")
 # Timeouts: 0 or less would fail every connection or step at once.
@@ -168,9 +169,12 @@ def derive_and_check(cfg: Config) -> None:
     job_nodes = v["PRESET_NUM_NODES"] or v["V4_NUM_NODES"]
     if job_nodes > v["V4_NUM_NODES"]:
         errors.append(f"{at(cfg, 'PRESET_NUM_NODES')} exceeds the cluster's {at(cfg, 'V4_NUM_NODES')}")
-    world = job_nodes * v["V4_NUM_GPUS_PER_NODE"]
+    per_node = v["PRESET_GPUS_PER_NODE"] or v["V4_NUM_GPUS_PER_NODE"]
+    if v["HW_DEVICE"] == "cuda" and per_node > v["V4_NUM_GPUS_PER_NODE"]:
+        errors.append(f"{at(cfg, 'PRESET_GPUS_PER_NODE')} exceeds the GPUs of a node, {at(cfg, 'V4_NUM_GPUS_PER_NODE')}")
+    world = job_nodes * per_node
     d["JOB_NUM_NODES"] = Derived(job_nodes, "PRESET_NUM_NODES or V4_NUM_NODES")
-    d["WORLD_SIZE"] = Derived(world, "JOB_NUM_NODES * V4_NUM_GPUS_PER_NODE")
+    d["WORLD_SIZE"] = Derived(world, "JOB_NUM_NODES * (PRESET_GPUS_PER_NODE or V4_NUM_GPUS_PER_NODE)")
     d["NODES"] = Derived(cfg.nodes, "V4_MASTER_IP + V4_WORKER_IPS")
     _derive_rollout(cfg)
 
@@ -185,9 +189,17 @@ def derive_and_check(cfg: Config) -> None:
             raise InvalidConfig(errors)
         return
     if cp > 1:
-        # validate must refuse what a job refuses: dsv4.megatron splits no sequence over ranks yet
-        errors.append(f"{at(cfg, 'PRESET_CP')}: context parallelism is not implemented by the training job "
-                      f"(dsv4/megatron); set PRESET_CP=1 (long sequences: fewer rows per micro-batch, or TP/PP)")
+        # what dsv4.megatron's split needs (parallel.Layout.validate says the same, later, in the job)
+        seq = v["PRESET_SEQ_LEN"]
+        if seq % (2 * cp):
+            errors.append(f"{at(cfg, 'PRESET_SEQ_LEN')} is not a multiple of 2*CP = {2 * cp}: context parallelism cuts "
+                          f"each sequence into 2*CP equal chunks ({at(cfg, 'PRESET_CP')})")
+        elif (seq // cp) % tp:
+            errors.append(f"{at(cfg, 'PRESET_SEQ_LEN')} / CP = {seq // cp} positions per rank do not split over "
+                          f"{at(cfg, 'PRESET_TP')} (sequence parallelism)")
+        if v["PRESET_MODE"] == "rl":
+            errors.append(f"{at(cfg, 'PRESET_CP')}: RL scores log-probabilities over whole sequences, which the trainer "
+                          f"does not do under context parallelism; set PRESET_CP=1 for RL")
     model_parallel = tp * pp * cp
     if world % model_parallel:
         errors.append(f"TP*PP*CP = {model_parallel} does not divide the world size {world} "
@@ -205,8 +217,9 @@ def derive_and_check(cfg: Config) -> None:
     if m.n_experts % ep:
         errors.append(f"{at(cfg, 'PRESET_EP')} does not divide the model's {m.n_experts} routed experts "
                       f"({at(cfg, 'PRESET_MODEL')})")
-    if dp and (dp * tp) % ep:
-        errors.append(f"{at(cfg, 'PRESET_EP')} does not divide DP*TP = {dp}*{tp} = {dp * tp}")
+    if dp and (dp * cp * tp) % ep:
+        # megatron folds CP into the expert-parallel ranks: experts spread over DP*CP*TP
+        errors.append(f"{at(cfg, 'PRESET_EP')} does not divide DP*CP*TP = {dp}*{cp}*{tp} = {dp * cp * tp}")
     if sglang_engine(cfg) and m.n_experts % v["V4_ROLLOUT_EP"]:
         errors.append(f"{at(cfg, 'V4_ROLLOUT_EP')} does not divide the model's {m.n_experts} routed experts "
                       f"({at(cfg, 'PRESET_MODEL')}): each SGLang expert-parallel rank holds an equal share")

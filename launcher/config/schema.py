@@ -137,6 +137,20 @@ KEYS: list[Key] = [
        choices=("full", "fp8")),
     _k("HW_RL_LOGPROB_TOL", "float", 1e-4, "hw",
        "logprob_match tolerance of the rl_smoke preset here: fp32 round-off on CPU, bf16 kernels on a GPU"),
+    # cp_smoke: flash over 64 GPUs by default (TP8 PP4 CP2; EP16 keeps the state per GPU at ~78 GB, under an
+    # H20's 96); hw/cpu.env runs the tiny model as CP 2 gloo processes instead
+    _k("HW_CP_SMOKE_MODEL", "str", "flash", "hw", "model the cp_smoke preset uses on this hardware"),
+    _k("HW_CP_SMOKE_WEIGHTS", "enum", "hf", "hw", "the cp_smoke preset's weights here (hf: the release; generate: random)",
+       ("generate", "hf")),
+    _k("HW_CP_SMOKE_STEPS", "list", "prepare_data verify_template dequantize convert train", "hw",
+       "the cp_smoke preset's pipeline steps here (generated weights need the weights step first)"),
+    _k("HW_CP_SMOKE_SEQ_LEN", "int", 8192, "hw", "the cp_smoke preset's sequence length here"),
+    _k("HW_CP_SMOKE_GLOBAL_BATCH_SIZE", "int", 128, "hw", "the cp_smoke preset's global batch here"),
+    _k("HW_CP_SMOKE_TP", "int", 8, "hw", "the cp_smoke preset's tensor parallel size here"),
+    _k("HW_CP_SMOKE_PP", "int", 4, "hw", "the cp_smoke preset's pipeline parallel size here"),
+    _k("HW_CP_SMOKE_EP", "int", 16, "hw", "the cp_smoke preset's expert parallel size here"),
+    _k("HW_CP_SMOKE_GPUS_PER_NODE", "int", 0, "hw",
+       "training processes per node of the cp_smoke preset here (0: the cluster's V4_NUM_GPUS_PER_NODE)"),
     _k("HW_PEAK_MEM_BUDGET_GB", "float", 0, "hw", "dryrun gate: peak memory per GPU must stay under this (0: no gate)"),
     _k("HW_STEP_TIME_BUDGET_S", "float", 0, "hw", "dryrun gate: steady-state step time must stay under this (0: no gate)"),
     # --- workload preset --------------------------------------------------------------------------
@@ -155,6 +169,9 @@ KEYS: list[Key] = [
     _k("PRESET_THINKING_MODE", "enum", "chat", "preset", "chat encoding mode (MILES_DSV4_THINKING_MODE)", ("chat", "thinking")),
     _k("PRESET_DROP_THINKING", "bool", 0, "preset", "drop reasoning of earlier assistant turns (MILES_DSV4_DROP_THINKING)"),
     _k("PRESET_NUM_NODES", "int", 0, "preset", "nodes the job uses (0: all of the cluster)"),
+    _k("PRESET_GPUS_PER_NODE", "int", 0, "preset",
+       "training processes per node the job uses (0: V4_NUM_GPUS_PER_NODE); on hw=cpu gloo processes, which the "
+       "cluster's count does not bound"),
     _k("PRESET_NUM_STEPS", "int", 2, "preset", "optimizer steps"),
     _k("PRESET_GLOBAL_BATCH_SIZE", "int", 8, "preset", "sequences per optimizer step"),
     _k("PRESET_MICRO_BATCH_SIZE", "int", 1, "preset", "sequences per micro-batch"),

@@ -43,11 +43,25 @@ def test_flash_layouts_split_43_layers():
     assert pipeline_split(43, 4, 11, 10, "") == [11, 11, 11, 10]        # cp_smoke's split
 
 
-@pytest.mark.parametrize("preset", ["cp_smoke", "long_context"])
-def test_context_parallelism_is_refused_at_validate(preset):
-    """The training job has no CP: a CP > 1 preset must not pass validate and then fail after dequantizing."""
-    with pytest.raises(InvalidConfig, match="context parallelism is not implemented"):
-        resolve(Selection(cluster="h20_8node", preset=preset))
+@pytest.mark.parametrize("cluster,hw,preset,world,tokens", [
+    ("h20_8node", "auto", "cp_smoke", 64, 4096),            # flash, TP8 PP4 CP2 EP16
+    ("h200_template", "auto", "long_context", 128, 32768),  # flash, TP8 PP2 CP8 EP64
+    ("local", "cpu", "cp_smoke", 2, 128),                   # the tiny model as two gloo CP ranks
+])
+def test_context_parallel_presets_validate_where_they_fit(cluster, hw, preset, world, tokens):
+    cfg = resolve(Selection(cluster=cluster, hw=hw, preset=preset))
+    assert cfg["PRESET_CP"] > 1 and cfg["WORLD_SIZE"] == world and cfg["TOKENS_PER_GPU"] == tokens
+    assert cfg["WORLD_SIZE"] % (cfg["PRESET_TP"] * cfg["PRESET_PP"] * cfg["PRESET_CP"]) == 0
+
+
+@pytest.mark.parametrize("sets,message", [
+    ({"PRESET_SEQ_LEN": "250"}, "not a multiple of 2\\*CP = 4"),
+    ({"PRESET_MODE": "rl"}, "RL scores log-probabilities"),
+    ({"HW_CP_SMOKE_EP": "4"}, "does not divide DP\\*CP\\*TP = 1\\*2\\*1"),
+])
+def test_context_parallel_constraints_are_checked(sets, message):
+    with pytest.raises(InvalidConfig, match=message):
+        resolve(Selection(cluster="local", hw="cpu", preset="cp_smoke", sets=tuple(f"{k}={v}" for k, v in sets.items())))
 
 
 def test_explain_names_file_line_and_what_was_overridden(capsys):

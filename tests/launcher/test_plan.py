@@ -70,7 +70,7 @@ def test_dry_run_with_a_config_error_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", "--preset", "long_context", "--cluster", "h20_8node", "--dry-run"])
     assert e.value.code == 2
-    assert "TP*PP*CP = 256 does not divide the world size 64" in capsys.readouterr().err
+    assert "TP*PP*CP = 128 does not divide the world size 64" in capsys.readouterr().err
 
 
 def test_working_dir_upload_leaves_out_what_git_ignores(tmp_path):

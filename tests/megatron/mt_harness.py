@@ -23,6 +23,7 @@ class Spec:
     ep: int = 1
     etp: int = 1
     stage_layers: tuple | None = None
+    cp: int = 1
     mtp_coeff: float = 0.3
     indexer_coeff: float = 0.1
     model_overrides: dict = field(default_factory=dict)
@@ -40,6 +41,16 @@ NORM_RTOL = 1e-5
 WORLD2 = [Spec("tp2", tp=2), Spec("ep2", ep=2), Spec("pp2", pp=2),
           Spec("tp2_ep2_etp1", tp=2, ep=2), Spec("tp2_etp2", tp=2, etp=2)]
 WORLD4 = [Spec("tp2_pp2_ep2", tp=2, pp=2, ep=2), Spec("tp2_pp2_distopt", tp=2, pp=2, distributed_optimizer=True)]
+
+# Context parallelism. The tiny model has window 8 and ratios 4 (overlapping, indexer) and 16. At 72 tokens
+# CP2 cuts 4 chunks of 18: every window and every ratio-16 block crosses a chunk edge somewhere, and so do
+# ratio-4 blocks (18 is not a multiple of 4). At 24 tokens (chunks of 6) a window and a ratio-16 block reach
+# back over several chunks, and one rank owns no compressed entry of the ratio-16 layer at all.
+CP_SEQ_LONG, CP_SEQ_SHORT = 72, 24
+CP_BASE = [Spec(f"w1_s{n}", seq_len=n) for n in (CP_SEQ_LONG, CP_SEQ_SHORT)]
+CP_WORLD2 = [Spec(f"cp2_s{n}", cp=2, seq_len=n) for n in (CP_SEQ_LONG, CP_SEQ_SHORT)]
+CP_WORLD4 = [Spec("cp2_tp2", cp=2, tp=2, seq_len=CP_SEQ_LONG), Spec("cp2_pp2", cp=2, pp=2, seq_len=CP_SEQ_LONG),
+             Spec("cp2_ep2", cp=2, ep=2, seq_len=CP_SEQ_LONG), Spec("cp4", cp=4, seq_len=CP_SEQ_LONG)]
 
 
 def free_port() -> int:
@@ -70,7 +81,7 @@ def _worker(rank: int, world: int, port: int, specs: list[Spec], out_dir: str, d
         _reference_check(out_dir)
     for spec in specs:
         cfg = ModelConfig.preset("tiny", indexer_loss_coeff=spec.indexer_coeff, **spec.model_overrides)
-        layout = Layout(spec.tp, spec.pp, spec.ep, spec.etp, spec.stage_layers)
+        layout = Layout(spec.tp, spec.pp, spec.ep, spec.etp, spec.stage_layers, cp=spec.cp)
         tc = TrainConfig(model=cfg, layout=layout, objective=Objective(spec.mtp_coeff, spec.indexer_coeff),
                          seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
                          global_batch_size=spec.global_batch_size, lr=1e-3, num_steps=2,

@@ -33,3 +33,23 @@ def test_layout_on_nccl_matches_one_gpu(results, name):
         pytest.skip(f"{name} needs 4 GPUs")
     figures = H.assert_matches(out[name], base, name)
     print(f"\n{name} (NCCL, {torch.cuda.get_device_name()}): {json.dumps(figures)}")
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nccl_cp_layouts")
+    base = H.run(H.CP_BASE, 1, d, device="cuda")
+    out = H.run(H.CP_WORLD2, 2, d, device="cuda")
+    if torch.cuda.device_count() >= 4:
+        out.update(H.run(H.CP_WORLD4, 4, d, device="cuda"))
+    return base, out
+
+
+@pytest.mark.parametrize("spec", H.CP_WORLD2 + H.CP_WORLD4, ids=lambda s: s.name)
+def test_context_parallel_layout_on_nccl_matches_one_gpu(cp_results, spec):
+    """test_cp_equivalence's layouts over NCCL: the CP gathers and their reduce-scatter backward on GPUs."""
+    base, out = cp_results
+    if spec.name not in out:
+        pytest.skip(f"{spec.name} needs 4 GPUs")
+    figures = H.assert_matches(out[spec.name], base[f"w1_s{spec.seq_len}"], spec.name)
+    print(f"\n{spec.name} (NCCL, {torch.cuda.get_device_name()}): {json.dumps(figures)}")

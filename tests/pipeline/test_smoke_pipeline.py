@@ -61,6 +61,24 @@ def test_smoke_passes_its_gates(work):
     assert (run / "plots/metrics.png").stat().st_size > 10_000 and list((run / "tb").glob("events.out.tfevents.*"))
 
 
+def test_cp_smoke_runs_two_context_parallel_ranks_after_the_smoke(work):
+    """cp_smoke requires the smoke stage (passed above): on CPU the tiny model over CP 2 as two gloo ranks (two
+    Ray actors sharing the CPU Ray has left beside the step's driver), with the reload check."""
+    r = v4(work, "run", "--preset", "cp_smoke", "--json")
+    assert r.returncode == 0, r.stderr[-4000:]
+    run = Path(json.loads(r.stdout)["run_dir"])
+    config = json.loads((run / "config.json").read_text())["values"]
+    assert config["PRESET_CP"] == 2 and config["WORLD_SIZE"] == 2
+    gates = json.loads((run / "gates.json").read_text())
+    assert [g["name"] for g in gates] == ["finite_loss"] and all(g["passed"] for g in gates)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 6)) and all(r["world"] == 2 for r in rows)
+    assert all(x == x and abs(x) != float("inf") for r in rows for x in (r["loss"], r["grad_norm"]))
+    reload = json.loads((run / "steps/train/reload_check.json").read_text())
+    assert reload["loss_continued"] == reload["loss_reloaded"]
+    assert "CP=2" in r.stderr
+
+
 def test_planted_nan_stops_with_16_naming_the_module(work):
     r = v4(work, "run", "--preset", "smoke", "--set", "PRESET_PLANT_NAN=layers.1.attn:2")
     assert r.returncode == 16, r.stderr[-4000:]
