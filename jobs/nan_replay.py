@@ -4,9 +4,9 @@
 
 RUN is a training run that stopped with exit 16 and kept its capture (steps/train/nan_capture.json: the
 checkpoint the failing step started from, the step, each data-parallel rank's rows by hash). DIR/rung.json
-says what to flip: {"switches": [...], "sample": {"op": "drop"|"only", "global_row": I}} (I: the row in the
-captured step's global batch, data-parallel ranks in order); the switches
-are launcher.nanbisect.SWITCHES. The rung loads the capture's weights (no download, dequantize or convert),
+says what to flip: {"switches": [...], "sample": {"op": "drop"|"only", "global_row": I}, "cut_layers": N} (I: the
+row in the captured step's global batch, data-parallel ranks in order; N, with layout_1: keep the first N layers);
+the switches are launcher.nanbisect.SWITCHES. The rung loads the capture's weights (no download, dequantize or convert),
 rebuilds step N's batch from the run's data order, checks its rows against the capture, runs forward and
 backward once with forensics hooks (no optimizer update), and writes DIR/result.json:
   {"finite", "loss", "grad_norm", "first" (the monitor's first module), "forensics" (the first non-finite
@@ -28,10 +28,12 @@ from jobs.common import RunContext, log, ranks_local
 from jobs.train_sft import DATA_SEED_OFFSET, SFTData, tokenizer_dirs, train_config, world_size
 
 
-def apply_switches(tc, switches: list[str]):
-    """The run's TrainConfig with the rung's switches flipped (names as launcher.nanbisect.SWITCHES)."""
+def apply_switches(tc, switches: list[str], cut_layers: int | None = None):
+    """The run's TrainConfig with the rung's switches flipped (names as launcher.nanbisect.SWITCHES). With
+    `cut_layers` the one-process rung keeps only the first cut_layers layers (so that one GPU holds them) and
+    trains no MTP block: a forward fault in the last kept layer sees the same inputs as in the whole model."""
     from dsv4.megatron.parallel import Layout
-    m, layout, recompute = tc.model, tc.layout, tc.recompute
+    m, layout, recompute, objective = tc.model, tc.layout, tc.recompute, tc.objective
     for s in switches:
         if s == "attn_torch":
             m = m.with_overrides(attn_impl="torch")
@@ -44,9 +46,14 @@ def apply_switches(tc, switches: list[str]):
             recompute = "none"
         elif s == "layout_1":
             layout = Layout()
+            if cut_layers:
+                if not 0 < cut_layers <= m.n_layers:
+                    raise ValueError(f"cut_layers={cut_layers}: the model has {m.n_layers} layers")
+                m = m.with_overrides(n_layers=cut_layers)
+                objective = replace(objective, mtp_coeff=0.0)
         elif s != "sample":
             raise ValueError(f"unknown switch {s!r}")
-    return replace(tc, model=m, layout=layout, recompute=recompute)
+    return replace(tc, model=m, layout=layout, recompute=recompute, objective=objective)
 
 
 def edit_rows(batch: dict, op: str, row: dict, index: int | None) -> dict:
@@ -115,7 +122,8 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: Rung)
                   "forensics": _first_found(found), "data_matches_capture": all(f["data_ok"] for f in found),
                   "seconds": round(time.perf_counter() - t0, 2), "world": world,
                   "layout": {"tp": tc.layout.tp, "pp": tc.layout.pp, "ep": tc.layout.ep, "dp": r.dp},
-                  "model": {"attn_impl": tc.model.attn_impl, "dtype": tc.model.dtype, "recompute": tc.recompute}}
+                  "model": {"attn_impl": tc.model.attn_impl, "dtype": tc.model.dtype, "recompute": tc.recompute,
+                            "n_layers": tc.model.n_layers}}
         atomic_write(Path(job.rung_dir) / "result.json", json.dumps(result, indent=2, default=str))
     trainer.close()
     return 0
@@ -159,7 +167,7 @@ def main(argv=None) -> int:
         cap = load_capture(args.run_dir)
         if cfg.get("PRESET_MODE") == "rl":
             raise ValueError("replaying an RL step is not supported: its batch comes from the rollout engine")
-        tc = apply_switches(train_config(cfg), rung.get("switches", []))
+        tc = apply_switches(train_config(cfg), rung.get("switches", []), rung.get("cut_layers"))
         world = 1 if "layout_1" in rung.get("switches", []) else world_size(cfg)
         tc.layout.validate(tc.model, world, tc.seq_len)
     except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError) as e:

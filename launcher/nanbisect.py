@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -69,6 +70,7 @@ class Report:
     kernel: dict | None = None
     joint: bool = False               # the culprit switches cure only together (else: each one alone)
     left_out: dict = field(default_factory=dict)    # switch -> why it could not run here
+    cut_layers: int | None = None     # layout_1 ran on the first cut_layers layers (the whole model outgrows a GPU)
     seconds: float = 0.0
     exit_code: int = NO_CULPRIT
 
@@ -81,10 +83,21 @@ def one_device_state_gb(m) -> float:
     return sum(math.prod(sh) for sh in m.param_shapes().values()) * per / 2 ** 30
 
 
-def candidates(cfg: dict, forensics: dict, capture: dict, skipped: dict | None = None) -> list[str]:
+def forward_layer(forensics: dict) -> int | None:
+    """The main layer of the first non-finite forward tensor ("layers.2.attn" -> 2), None if elsewhere or none."""
+    m = re.match(r"layers\.(\d+)\b", (forensics.get("forward") or {}).get("module") or "")
+    return int(m.group(1)) if m else None
+
+
+def candidates(cfg: dict, forensics: dict, capture: dict, skipped: dict | None = None,
+               memory_gb: float | None = None, plan: dict | None = None) -> list[str]:
     """The switches that can change anything in this run (and, in `skipped`, those that cannot run here, why).
-    Decided from the run's values and its ModelConfig alone: the launcher imports neither torch nor megatron."""
+    Decided from the run's values and its ModelConfig alone: the launcher imports neither torch nor megatron.
+    `memory_gb`: what one device holds (default: the run's HW_GPU_MEMORY_GB; 0: no limit). Where the whole model
+    outgrows it and the fault is a forward one in layer K, the one-process rung keeps layers 0..K only (their
+    forward is unchanged by what follows them): `plan["cut_layers"]` = K + 1."""
     skipped = {} if skipped is None else skipped
+    plan = {} if plan is None else plan
     from jobs.train_sft import model_config, world_size
     m = model_config(cfg)
     out = []
@@ -97,12 +110,19 @@ def candidates(cfg: dict, forensics: dict, capture: dict, skipped: dict | None =
     if cfg.get("HW_RECOMPUTE_GRANULARITY") == "full":       # what train_config turns into recompute="full"
         out.append("recompute_off")
     if world_size(cfg) > 1:
-        need = one_device_state_gb(m)
-        if cfg.get("HW_DEVICE") == "cuda" and cfg.get("HW_GPU_MEMORY_GB") and need > cfg["HW_GPU_MEMORY_GB"]:
-            skipped["layout_1"] = (f"one GPU cannot hold the model's ~{need:.0f} GB of weights, gradients and optimizer "
-                                   f"state (HW_GPU_MEMORY_GB={cfg['HW_GPU_MEMORY_GB']:g})")
-        else:
+        limit = cfg.get("HW_GPU_MEMORY_GB") or 0 if memory_gb is None else memory_gb
+        need, k = one_device_state_gb(m), forward_layer(forensics)
+        if not limit or need <= limit:
             out.append("layout_1")
+        elif k is not None and k + 1 < m.n_layers and one_device_state_gb(m.with_overrides(n_layers=k + 1)) <= limit:
+            out.append("layout_1")
+            plan["cut_layers"] = k + 1
+        else:
+            why = f"one device cannot hold the model's ~{need:.0f} GB of weights, gradients and optimizer state " \
+                  f"({limit:g} GB)"
+            why += (f", nor its layers 0..{k}, up to the first non-finite forward tensor" if k is not None else
+                    "; the forensics name no forward fault in a main layer to cut the model after")
+            skipped["layout_1"] = why
     if sample_of(forensics, capture) is not None and sum(len(r) for r in capture["rows_by_dp_rank"].values()) > 1:
         out.append("sample")
     return out
@@ -127,6 +147,7 @@ class Ladder:
     def __init__(self, run_dir: Path, out: Path, world: int, device: str, parallel: int, timeout: float, log,
                  cfg=None):
         self.run_dir, self.out, self.world, self.timeout, self.log = run_dir, out, world, timeout, log
+        self.cut_layers: int | None = None     # what the layout_1 rung keeps of the model (None: all of it)
         self.cfg = cfg
         gpus = _gpu_count() if device == "cuda" else 0
         room = max(1, gpus // max(world, 1)) if device == "cuda" else max(1, (os.cpu_count() or 1) // max(world, 1))
@@ -143,6 +164,8 @@ class Ladder:
         spec = {"switches": [s for s in switches if s != "sample"]}
         if "sample" in switches or sample:
             spec["sample"] = sample
+        if "layout_1" in switches and self.cut_layers:
+            spec["cut_layers"] = self.cut_layers
         (d / "rung.json").write_text(json.dumps(spec, indent=2))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         if self.gpus:
@@ -200,9 +223,11 @@ class Ladder:
 
 
 def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0, kernel: bool = True,
-           log=lambda m: print(m, file=sys.stderr, flush=True), cluster_cfg=None) -> Report:
+           log=lambda m: print(m, file=sys.stderr, flush=True), cluster_cfg=None,
+           memory_gb: float | None = None) -> Report:
     """`cluster_cfg`: the launcher's configuration of the run's cluster; with the Ray executor the rungs are Ray
-    jobs there."""
+    jobs there. `memory_gb`: what one device holds, for the one-process rung (default: the run's
+    HW_GPU_MEMORY_GB)."""
     from jobs.nan_replay import load_capture
     from jobs.train_sft import world_size
     t0 = time.perf_counter()
@@ -234,10 +259,14 @@ def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0,
     report.reproduced = True
     log(f"reproduced: {_where(report.forensics, base.result, capture['step'])}{data_note}")
     report.sample = sample_of(report.forensics, capture)
-    cands = candidates(cfg, report.forensics, capture, report.left_out)
+    plan: dict = {}
+    cands = candidates(cfg, report.forensics, capture, report.left_out, memory_gb, plan)
     report.candidates = cands
+    report.cut_layers = ladder.cut_layers = plan.get("cut_layers")
     for name, why in report.left_out.items():
         log(f"  rung {name} left out: {why}")
+    if report.cut_layers:
+        log(f"  rung layout_1 keeps layers 0..{report.cut_layers - 1}: the whole model outgrows one device")
     if not cands:
         return finish("reproduced; no switch applies to this run (torch kernels, fp32, no FP8, one process, "
                       "one sample): the forensics are the lead", NO_CULPRIT)
@@ -297,6 +326,8 @@ def _culprit_text(cures: list[str], report: Report) -> str:
                     f"micro-batch {s['micro_batch']}, row {s['row']})"
                     + ("; alone it reproduces the fault" if s.get("alone_reproduces") else
                        "; alone it does not reproduce it" if "alone_reproduces" in s else ""))
+        if c == "layout_1" and report.cut_layers:
+            text += f" (the model cut to layers 0..{report.cut_layers - 1}, where the fault is)"
         parts.append(f"{c}: {text}")
     if len(cures) > 1:
         return ("only together: " if report.joint else "each alone cures it: ") + "; ".join(parts)

@@ -76,9 +76,12 @@ def bisect_kernel(kernel, source, reference, shape, overrides, tol, timeout, out
               help="rungs at a time (each needs the run's GPUs, or CPUs on a CPU run)")
 @click.option("--timeout", default=1800.0, show_default=True, help="seconds per rung before it counts as failed")
 @click.option("--no-kernel", is_flag=True, help="stop at the switch; do not hand a kernel culprit to bisect-kernel")
+@click.option("--device-memory-gb", type=float, default=None,
+              help="what one device holds, for the one-process rung: where the model outgrows it, the rung keeps "
+                   "the layers up to the fault [the run's HW_GPU_MEMORY_GB; 0: no limit]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="report directory [RUN/nan-bisect]")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON on stdout")
-def bisect_run(selection, run_ref, parallel, timeout, no_kernel, out_dir, as_json):
+def bisect_run(selection, run_ref, parallel, timeout, no_kernel, device_memory_gb, out_dir, as_json):
     """Replay RUN's non-finite step from its capture and walk the ladder of switches (TileLang -> torch, FP8
     off, fp32, recompute off, one process, the sample removed) to the smallest set that cures it.
     RUN: id, unique prefix, or `latest`. Exit codes: 0 culprit named, 1 not reproduced or nothing cures it,
@@ -92,7 +95,8 @@ def bisect_run(selection, run_ref, parallel, timeout, no_kernel, out_dir, as_jso
     out = Path(out_dir) if out_dir else run.dir / "nan-bisect"
     try:
         report = nanbisect.bisect(run.dir, out, parallel=parallel, timeout=timeout, kernel=not no_kernel,
-                                  log=lambda m: click.echo(m, err=True), cluster_cfg=cfg)
+                                  log=lambda m: click.echo(m, err=True), cluster_cfg=cfg,
+                                  memory_gb=device_memory_gb)
     except FileNotFoundError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(nanbisect.USAGE)

@@ -72,7 +72,15 @@ def test_layout_1_is_left_out_when_one_gpu_cannot_hold_the_model():
     assert "layout_1" in candidates(cfg, {}, {"rows_by_dp_rank": {"0": ["a"]}}, left) and not left
     cfg["PRESET_MODEL_OVERRIDES"] = []                             # all 256 experts: ~570 GB of state
     assert "layout_1" not in candidates(cfg, {}, {"rows_by_dp_rank": {"0": ["a"]}}, left)
-    assert "one GPU cannot hold the model's" in left["layout_1"]
+    assert "one device cannot hold the model's" in left["layout_1"] and "no forward fault" in left["layout_1"]
+    # a forward fault in layer 1 of 4: layers 0..1 of the 256-expert model still outgrow an H200; with 2 TB they fit
+    fwd = {"forward": {"module": "layers.1.attn"}}
+    left, plan = {}, {}
+    assert "layout_1" not in candidates(cfg, fwd, {"rows_by_dp_rank": {"0": ["a"]}}, left, None, plan)
+    assert "nor its layers 0..1" in left["layout_1"] and not plan
+    left = {}
+    assert "layout_1" in candidates(cfg, fwd, {"rows_by_dp_rank": {"0": ["a"]}}, left, 400.0, plan) and not left
+    assert plan == {"cut_layers": 2}
 
 
 @pytest.mark.slow
@@ -99,6 +107,23 @@ def test_the_ladder_names_the_switch(work, plant, sets, culprit):
     assert rungs["reproduce"]["finite"] is False and rungs[culprit]["finite"] is True
     assert all(g["result"]["data_matches_capture"] for g in rungs.values())
     assert (run / "nan-bisect" / "report.md").read_text().startswith(f"# NaN bisect of {run.name}, step 3")
+
+
+@pytest.mark.slow
+def test_the_one_process_rung_cuts_the_model_that_outgrows_a_device(work):
+    """A forward fault in layer 1 under TP2; the device is said to hold 0.023 GB, less than the tiny model's
+    0.033 GB of state but more than its layers 0..1's 0.020: the one-process rung keeps those two layers, and
+    that cures it."""
+    run = planted_run(work, "layers.1.attn:3@tp>1", "V4_NUM_GPUS_PER_NODE=2", "PRESET_TP=2", "PRESET_EP=1")
+    r = v4(work, "nan", "bisect", run.name, "--json", "--device-memory-gb", "0.023")
+    report = json.loads(r.stdout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert report["culprit"] == ["layout_1"] and report["cut_layers"] == 2, report["verdict"]
+    assert "cut to layers 0..1" in report["verdict"]
+    rungs = {g["name"]: g for g in report["rungs"]}
+    assert rungs["layout_1"]["finite"] is True and rungs["layout_1"]["result"]["model"]["n_layers"] == 2
+    assert rungs["reproduce"]["result"]["model"]["n_layers"] == 4
+    assert rungs["layout_1"]["result"]["data_matches_capture"]
 
 
 @pytest.mark.slow
