@@ -285,12 +285,36 @@ def bench_kernels(shapes, ops, no_torch, upstream, indexer, warmup, iters, as_js
     click.echo(table(rows))
 
 
+def model_options(f):
+    """--device, --model, --model-overrides, --attn-impl: the model a bench builds (see `bench_model`)."""
+    for opt in reversed([
+            click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
+            click.option("--model", default=None, help="model preset (default: tiny on cpu, 4layer on cuda)"),
+            click.option("--model-overrides", default=None,
+                         help="model field overrides (default on cuda: n_routed_experts=8, the smoke's 4-layer model)"),
+            click.option("--attn-impl", type=click.Choice(["auto", "torch", "tilelang"]), default="auto",
+                         show_default=True)]):
+        f = opt(f)
+    return f
+
+
+def bench_model(device: str, model: str | None, model_overrides: str | None, attn_impl: str):
+    """-> (cuda, preset name, overrides dict): the smoke's model on a GPU (4layer, 8 experts, TileLang), the tiny
+    one with the torch attention on a CPU, unless the options say otherwise."""
+    import torch
+
+    from dsv4.config import parse_overrides
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: no CUDA GPU is visible")
+    overrides = parse_overrides(model_overrides if model_overrides is not None else
+                                ("n_routed_experts=8" if cuda else ""))
+    overrides["attn_impl"] = attn_impl if attn_impl != "auto" else ("tilelang" if cuda else "torch")
+    return cuda, model or ("4layer" if cuda else "tiny"), overrides
+
+
 @bench.command("rollout")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--model", default=None, help="model preset (default: tiny on cpu, 4layer on cuda)")
-@click.option("--model-overrides", default=None,
-              help="model field overrides (default on cuda: n_routed_experts=8, the smoke's 4-layer model)")
-@click.option("--attn-impl", type=click.Choice(["auto", "torch", "tilelang"]), default="auto", show_default=True)
+@model_options
 @click.option("--batches", default="1,2,4,8,16,32,64", show_default=True)
 @click.option("--prompt-len", default=None, type=int, help="tokens fed before timing (default: 16 cpu, 256 cuda)")
 @click.option("--steps", default=8, show_default=True, help="timed decode steps per batch size")
@@ -309,20 +333,10 @@ def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len
     path."""
     import torch
 
-    from dsv4.config import parse_overrides
     from dsv4.rl import bench as rb
     from dsv4.rl.engine import EmbeddedEngine
 
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if cuda and not torch.cuda.is_available():
-        raise click.UsageError("--device cuda: no CUDA GPU is visible")
-    model = model or ("4layer" if cuda else "tiny")
-    overrides = parse_overrides(model_overrides if model_overrides is not None else
-                                ("n_routed_experts=8" if cuda else ""))
-    if attn_impl != "auto":
-        overrides["attn_impl"] = attn_impl
-    elif cuda:
-        overrides["attn_impl"] = "tilelang"
+    cuda, model, overrides = bench_model(device, model, model_overrides, attn_impl)
     dev = "cuda" if cuda else "cpu"
     say = (lambda m: click.echo(m, err=True))
     say(f"[bench] building {model} {overrides or ''} on {dev}")
@@ -371,11 +385,7 @@ def peak_tflops_of(device_name: str) -> float:
 
 
 @bench.command("step")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--model", default=None, help="model preset (default: tiny on cpu, 4layer on cuda)")
-@click.option("--model-overrides", default=None,
-              help="model field overrides (default on cuda: n_routed_experts=8, the smoke's 4-layer model)")
-@click.option("--attn-impl", type=click.Choice(["auto", "torch", "tilelang"]), default="auto", show_default=True)
+@model_options
 @click.option("--seq-len", type=int, default=None, help="tokens per sequence (default: 64 cpu, 4096 cuda)")
 @click.option("--global-batch", type=int, default=None, help="sequences per step (default: 2 cpu, 8 cuda: the smoke's)")
 @click.option("--micro-batch", type=int, default=1, show_default=True)
@@ -397,22 +407,16 @@ def bench_step(device, model, model_overrides, attn_impl, seq_len, global_batch,
     idle)."""
     import torch
 
-    from dsv4.config import ModelConfig, parse_overrides
+    from dsv4.config import ModelConfig
     from dsv4.megatron import stepprof
 
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if cuda and not torch.cuda.is_available():
-        raise click.UsageError("--device cuda: no CUDA GPU is visible")
+    cuda, model, overrides = bench_model(device, model, model_overrides, attn_impl)
     variants = None
     if compare:
         key, _, values = compare.partition("=")
         if key not in ("head_gemm", "attn_impl") or not values:
             raise click.BadParameter(f"{compare!r}: KEY=V1,V2 with KEY head_gemm or attn_impl", param_hint="--compare")
         variants = [{key: v} for v in values.split(",") if v]
-    model = model or ("4layer" if cuda else "tiny")
-    overrides = parse_overrides(model_overrides if model_overrides is not None else
-                                ("n_routed_experts=8" if cuda else ""))
-    overrides["attn_impl"] = attn_impl if attn_impl != "auto" else ("tilelang" if cuda else "torch")
     try:
         cfg = ModelConfig.preset(model).with_overrides(**overrides)
         for v in variants or []:
