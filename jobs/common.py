@@ -8,9 +8,11 @@ the run directory is the single record of what the run was asked to do.
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -56,16 +58,21 @@ class RunContext:
         return self.run_dir / "metrics.jsonl"
 
     def write_metrics(self, row: dict) -> None:
-        """One step's row: a line of metrics.jsonl, and the same numbers as TensorBoard scalars under RUN/tb
-        (`tensorboard --logdir V4_OUT` shows every run)."""
+        """One step's row: a line of metrics.jsonl, the same numbers as TensorBoard scalars under RUN/tb
+        (`tensorboard --logdir V4_OUT` shows every run) and, where V4_WANDB_PROJECT names a project, as a
+        Weights & Biases step."""
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        scalars = {k: v for k, v in row.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         writer = self._tensorboard()
         if writer is not None and "step" in row:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    writer.add_scalar(k, v, row["step"])
+            for k, v in scalars.items():
+                writer.add_scalar(k, v, row["step"])
             writer.flush()
+        wb = self._wandb()
+        if wb is not None and "step" in row:
+            wb.log(scalars, step=int(row["step"]))
 
     def _tensorboard(self):
         if not hasattr(self, "_tb"):
@@ -75,6 +82,29 @@ class RunContext:
             except ImportError:              # tensorboard is not installed (a bare GPU host): metrics.jsonl only
                 self._tb = None
         return self._tb
+
+    def _wandb(self):
+        """The run's W&B run where V4_WANDB_PROJECT is set, created at the first row: id and name the run's
+        directory name (a resumed run continues its W&B run), config the run's PRESET_/HW_ values. The API key
+        comes from the environment (WANDB_API_KEY), never from a config file; V4_WANDB_MODE=offline keeps it
+        under RUN/wandb for a later `wandb sync`. Where wandb is not installed the metrics still reach
+        metrics.jsonl and TensorBoard, with one warning."""
+        if not hasattr(self, "_wb"):
+            self._wb = None
+            project = self.cfg.get("V4_WANDB_PROJECT")
+            if project:
+                try:
+                    import wandb
+                except ImportError:
+                    log(f"warning: V4_WANDB_PROJECT={project} but wandb is not installed here "
+                        f"(pip install 'v4-launcher[wandb]'); metrics go to metrics.jsonl and TensorBoard only")
+                    return None
+                run_id = re.sub(r"[^A-Za-z0-9_-]", "-", self.run_dir.name)[:64]
+                self._wb = wandb.init(project=project, id=run_id, name=self.run_dir.name, resume="allow",
+                                      dir=str(self.run_dir), mode=self.cfg.get("V4_WANDB_MODE") or "online",
+                                      config={k: v for k, v in self.cfg.items() if k.startswith(("PRESET_", "HW_"))})
+                atexit.register(self._wb.finish)
+        return self._wb
 
     @property
     def paths(self) -> "Paths":

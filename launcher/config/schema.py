@@ -106,6 +106,11 @@ KEYS: list[Key] = [
     _k("V4_MODELS", "path", "${V4_WORK}/models", "base", "checkpoints root"),
     _k("V4_DATA", "path", "${V4_WORK}/data", "base", "datasets root"),
     _k("V4_OUT", "path", "${V4_WORK}/runs", "base", "run registry root: one directory per run"),
+    _k("V4_WANDB_PROJECT", "str", "", "base",
+       "Weights & Biases project that every training run logs its metrics to (empty: off); the key comes from "
+       "WANDB_API_KEY in the environment"),
+    _k("V4_WANDB_MODE", "enum", "online", "base",
+       "online, or offline: the W&B run stays under RUN/wandb for `wandb sync`", ("online", "offline")),
     _k("V4_HF_DIR", "path", "", "base", "official-layout (FP8/FP4) checkpoint; generated when PRESET_WEIGHTS=generate"),
     _k("V4_BF16_DIR", "path", "", "base", "dequantized BF16 HF checkpoint"),
     _k("V4_TORCH_DIST", "path", "", "base", "Megatron distributed checkpoint converted for training"),

@@ -83,6 +83,50 @@ def test_metrics_rows_become_tensorboard_scalars(tmp_path):
     assert [round(e.value, 5) for e in events] == LOSS
 
 
+def _wandb_history(run_file: Path) -> list[dict]:
+    """The history rows of an offline W&B run file, read with W&B's own protobuf classes. The file is a
+    LevelDB-style log: a 7-byte header (":W&B", magic 0xBEE1, version), then 32 KiB blocks of records, each a
+    7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and its bytes; a block's last 6
+    bytes or fewer are padding."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+    raw = run_file.read_bytes()
+    assert raw[:4] == b":W&B"
+    pos, rows, parts = 7, [], b""
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:                   # block padding
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack_from("<IHB", raw, pos)
+        parts += raw[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(parts)
+            parts = b""
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                            | {"_step": rec.history.step.num})
+    return rows
+
+
+def test_metrics_rows_go_to_wandb_offline(tmp_path):
+    """V4_WANDB_PROJECT set, offline mode: each row becomes a W&B history step under RUN/wandb (no network)."""
+    run = tmp_path / "stageA-wb"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"values": {
+        "V4_SOCKET_IFNAME": "", "V4_WANDB_PROJECT": "v4-test", "V4_WANDB_MODE": "offline", "PRESET_LR": 0.1}}))
+    ctx = RunContext.load(run)
+    for step, loss in enumerate(LOSS, 1):
+        ctx.write_metrics({"step": step, "loss": loss, "note": "text is skipped"})
+    ctx._wandb().finish()
+    (run_file,) = run.glob("wandb/offline-run-*-stageA-wb/run-stageA-wb.wandb")
+    rows = _wandb_history(run_file)
+    assert [r["_step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [round(r["loss"], 5) for r in rows] == LOSS and all("note" not in r for r in rows)
+
+
 def test_benchmark_records_plot_across_commits(tmp_path):
     """The shipped kernel records parse, and a benchmark's TFLOP/s across them makes a non-blank PNG."""
     import matplotlib.image as mpimg
