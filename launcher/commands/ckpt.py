@@ -138,5 +138,5 @@ def names(model, overrides, as_json):
     if as_json:
         click.echo(json.dumps(m, indent=1))
     else:
-        width = max(len(k) for k in m)
-        click.echo("\n".join(f"{k:<{width}}  {v}" for k, v in m.items()))
+        from launcher.table import table
+        click.echo(table([("OFFICIAL", "HF"), *m.items()]))

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from launcher.errors import ConfigError
 from launcher.preflight.registry import CHECKS, CheckResult, RequiredInput
 from launcher.preflight import checks as _checks  # noqa: F401 - registers the checks
+from launcher.table import table
 
 SCHEMA = 1
 STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
@@ -105,13 +106,12 @@ def to_json(results, strict: bool = False) -> dict:
 def render_table(results, strict: bool = False) -> str:
     if not results:
         return "no checks selected"
-    w_name = max(len("CHECK"), *(len(r.name) for r in results))
-    w_node = max(len("NODE"), *(len(r.node) for r in results))
-    lines = [f"{'CHECK':<{w_name}}  {'NODE':<{w_node}}  STATUS  DETAIL"]
+    rows = [("CHECK", "NODE", "STATUS", "DETAIL")]
     for r in results:
-        lines.append(f"{r.name:<{w_name}}  {r.node:<{w_node}}  {r.status:<6}  {r.detail}")
+        rows.append((r.name, r.node, r.status, r.detail))
         if r.fix and r.status in ("WARN", "FAIL"):
-            lines.append(f"{'':<{w_name}}  {'':<{w_node}}          fix: {r.fix}")
+            rows.append(("", "", "", f"fix: {r.fix}"))
+    lines = [table(rows)]
     s = summary(results)
     verdict = (" -- preflight FAILED" if s["FAIL"] else
                " -- preflight FAILED (strict: a WARN fails)" if strict and s["WARN"] else " -- preflight passed")
