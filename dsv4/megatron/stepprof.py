@@ -148,8 +148,9 @@ def breakdown(events, wall_s: float) -> list[Part]:
         for e in cpu:
             if e.name.startswith(_SCOPE) or e.name.startswith(_BACKWARD):
                 continue
-            us[part_of(e)] += e.self_cpu_time_total
-            count[part_of(e)] += 1
+            part = part_of(e)
+            us[part] += e.self_cpu_time_total
+            count[part] += 1
         busy = sum(us.values())
     us["idle"] = max(wall_s * 1e6 - busy, 0.0)
     return [Part(p, us[p] / 1e3, us[p] / (wall_s * 1e6), count[p]) for p in PARTS if us[p] > 0 or p == "idle"]
@@ -172,7 +173,7 @@ class StepRow:
     model_tflops: float
     mfu: float | None
     loss: float           # on one fixed batch with the starting weights: the variants' numerics side by side
-    peak_mem_gb: float
+    peak_mem_gb: float    # on CUDA the variant's own peak; on a CPU the process's so far (RSS cannot be reset)
 
 
 def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps: int, warmup: int, device: str,
@@ -219,6 +220,8 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
         for k, val in v.items():
             setattr(cfg, k, val)
         name = " ".join(f"{k}={val}" for k, val in v.items()) or "as configured"
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         times = []
         for i in range(warmup + steps):
             res = trainer.step(batch())
@@ -232,7 +235,7 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
                             peak_memory_gb(device)))
         say(f"[bench] {name}: {t:.3f} s/step, {tokens / t:,.0f} tokens/s, {tflops:.1f} TFLOP/s"
             + (f", MFU {tflops / peak_tflops:.1%}" if peak_tflops else ""))
-    parts = None
+    parts, wall = None, None
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -252,4 +255,4 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
         parts = breakdown(prof.events(), wall)
         say(f"[bench] profiled step: {wall:.3f} s (profiler overhead included)")
     return {"flops_per_token": flops, "tokens_per_step": tokens, "rows": rows, "parts": parts,
-            "profiled_wall_s": wall if profile else None}
+            "profiled_wall_s": wall}

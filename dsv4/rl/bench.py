@@ -5,8 +5,9 @@ Decode: for each batch size, a batch of prompts is fed to a fresh cache, then `-
 (the median step after warm-up; CUDA synchronised around each step). tokens/s = batch / step time. Mode
 "graph" is the engine's step: its regions compiled by inductor, replayed from a CUDA graph (`decode.GraphedStep`);
 "uncompiled" the same graph of the uncompiled regions; "eager" the uncompiled step launched op by op (the only
-mode on a CPU). Every mode runs the same positions on the same cache, so the rows sit side by side from one run. The step's MoE runs every routed
-expert on every row (`decode.moe`), so at small batches it reads more expert weights than the roofline counts.
+mode on a CPU). Every mode runs the same positions on the same cache, so the rows sit side by side from one run.
+The step's MoE runs every routed expert on every row (`decode.moe`), so at small batches it reads more expert
+weights than the roofline counts.
 Roofline of a step = the bytes the step must read at least once / the device's copy bandwidth measured in the
 same run (a large device-to-device copy, read + write counted):
   weights: every parameter except the embedding and the routed experts, plus the embedding rows of the batch's

@@ -202,14 +202,6 @@ def attend_post(attn: Attention, o: torch.Tensor, cos: torch.Tensor, sin: torch.
     return attn.wo_b(grouped_output(o, attn.wo_a.qat_weight_value(), attn.cfg.o_groups))
 
 
-def attend(attn: Attention, x: torch.Tensor, lc: LayerCache, pos: torch.Tensor) -> torch.Tensor:
-    """Attention.forward for one new position per sample, reading and extending the layer's cache.
-    x [B, 1, dim], pos 0-dim int64 on x's device -> [B, 1, dim]."""
-    q, idx, cos, sin = attend_pre(attn, x, lc, pos)
-    o = sparse_attn(q, lc.kv, attn.attn_sink, idx, attn.softmax_scale, impl=attn.cfg.attn_impl)
-    return attend_post(attn, o, cos, sin)
-
-
 class ExpertStack:
     """A layer's routed experts as two stacked weights, for two batched GEMMs over every expert instead of three
     small GEMMs per expert: w13 [E, 2*inter, dim] (w1 over w3) and w2 [E, dim, inter]. A copy (through each
@@ -456,7 +448,7 @@ class GraphedStep:
             self.use_graph, self.graph, self.out = False, None, None
             logging.getLogger(__name__).warning("CUDA graph capture failed", exc_info=True)   # the traceback
             warnings.warn(f"CUDA graph capture of the decode step failed ({GraphedStep.capture_failed}); "
-                          "decoding eagerly from now on", RuntimeWarning, stacklevel=4)
+                          "decoding eagerly from now on", RuntimeWarning, stacklevel=3)
 
     def _try_capture(self) -> None:
         dev = self.cache.device

@@ -370,18 +370,12 @@ def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len
 
 
 def peak_tflops_of(device_name: str) -> float:
-    """The dense bf16 peak of the hw/*.env whose HW_GPU_NAME is in `device_name` (the longest match: an H200
-    is not an H20), 0 where none matches."""
-    from pathlib import Path
-
+    """HW_PEAK_TFLOPS of the hw layer whose HW_GPU_NAME names this GPU, 0 where none does."""
     from launcher.config.envfile import parse_file
-    best, peak = "", 0.0
-    for f in sorted((Path(__file__).resolve().parents[2] / "hw").glob("*.env")):
-        vals = {a.key: a.raw for a in parse_file(f)}   # plain values in hw files
-        name = vals.get("HW_GPU_NAME", "")
-        if name and name.lower() in device_name.lower() and len(name) > len(best) and vals.get("HW_PEAK_TFLOPS"):
-            best, peak = name, float(vals["HW_PEAK_TFLOPS"])
-    return peak
+    from launcher.config.resolve import hw_for_gpu, layer_file
+    hw = hw_for_gpu(device_name)
+    vals = {a.key: a.raw for a in parse_file(layer_file("hw", hw))} if hw else {}
+    return float(vals.get("HW_PEAK_TFLOPS") or 0)
 
 
 @bench.command("step")

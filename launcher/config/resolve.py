@@ -380,6 +380,14 @@ def _unknown_key_message(key: str, what: str) -> str:
     return f"unknown {what} {key}" + (f" (did you mean {close[0]}?)" if close else "")
 
 
+def hw_for_gpu(gpu_name: str, root: Path = ROOT) -> str | None:
+    """The hw layer whose HW_GPU_NAME is in `gpu_name` (as the driver reports it), None if none is."""
+    matches = [(len(a.raw), hw) for hw in available("hw", root)
+               for a in parse_file(root / "hw" / f"{hw}.env")
+               if a.key == "HW_GPU_NAME" and a.raw and a.raw.lower() in gpu_name.lower()]
+    return max(matches)[1] if matches else None  # the longest name wins: "H200" must not be taken for "H20"
+
+
 def detect_hw(root: Path = ROOT) -> str:
     """The hw layer matching this machine's GPU (by each hw file's HW_GPU_NAME), or cpu."""
     if not shutil.which("nvidia-smi"):
@@ -392,11 +400,9 @@ def detect_hw(root: Path = ROOT) -> str:
     names = out.strip().splitlines()
     if not names:
         return "cpu"
-    matches = [(len(a.raw), hw) for hw in available("hw", root)
-               for a in parse_file(root / "hw" / f"{hw}.env")
-               if a.key == "HW_GPU_NAME" and a.raw and a.raw.lower() in names[0].lower()]
-    if matches:
-        return max(matches)[1]  # the longest name wins: "H200" must not be taken for "H20"
+    hw = hw_for_gpu(names[0], root)
+    if hw:
+        return hw
     raise ConfigError(f"--hw auto: no hw/*.env matches this machine's GPU {names[0]!r}",
                       fix=f"pass --hw NAME (available: {', '.join(available('hw', root))}) "
                           "or add a hw file whose HW_GPU_NAME matches")

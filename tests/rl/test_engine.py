@@ -2,6 +2,7 @@
 the training model computes for the same tokens, sampling is reproducible, and weight updates are atomic."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -13,7 +14,7 @@ from dsv4.megatron.launch import free_port
 from dsv4.checkpoint import generate_checkpoint, official_to_hf
 from dsv4.config import ModelConfig
 from dsv4.model import Transformer
-from dsv4.rl import sync
+from dsv4.rl import decode, sync
 from dsv4.rl.api import GenerateRequest, RequestError, SamplingParams
 from dsv4.rl.engine import EmbeddedEngine, hash_uniform, scaled_logprobs
 
@@ -237,6 +238,29 @@ def test_a_reused_static_decoder_sees_each_weight_update():
             assert x.output_ids == y.output_ids and y.meta_info["weight_version"] == version
             assert (torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max().item() <= 1e-5
             assert (x.routed_experts == y.routed_experts).all()
+
+
+def test_the_prepared_weights_follow_each_weight_update():
+    """The GPU engine decodes from prepared weight forms (the routed experts stacked, `decode.Prepared`) that it
+    refreshes after every update. Given the same forms on a CPU (fp32 head: the split head needs CUDA), it must
+    decode each version's weights as the engine that reads the parameters does."""
+    kw = dict(seed=5, cuda_graphs=True)
+    prepared = EmbeddedEngine.from_preset("tiny", ["index_topk=64", "dtype=fp32", "head_gemm=fp32"], **kw)
+    prepared._prepared = decode.Prepared(prepared.model)
+    plain = EmbeddedEngine.from_preset("tiny", ["index_topk=64", "dtype=fp32", "head_gemm=fp32"], **kw)
+    reqs = [_req(list(range(50, 50 + n)), n=6, sampling_seed=i) for i, n in enumerate((4, 9))]
+    before = plain.generate(reqs)
+    for version in ("1", "2"):
+        new = Transformer(ModelConfig.preset("tiny", seed=20 + int(version), index_topk=64, dtype="fp32"))
+        named = [(n, p.detach()) for n, p in new.named_parameters()]
+        for eng in (prepared, plain):
+            assert eng.update_weights_from_tensor(named, weight_version=version)["success"]
+        a, b = plain.generate(reqs), prepared.generate(reqs)
+        for x, y in zip(a, b):
+            assert all(math.isfinite(v) for v in y.logprobs)
+            assert x.output_ids == y.output_ids
+            assert (torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max().item() <= 1e-5
+    assert [r.output_ids for r in before] != [r.output_ids for r in a]       # the updates changed the decoding
 
 
 @pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("temperature", float("inf")),
