@@ -14,7 +14,13 @@ import json
 import shlex
 from dataclasses import dataclass, field, fields
 
-__all__ = ["ModelConfig", "PRESETS", "parse_overrides"]
+__all__ = ["ModelConfig", "PRESETS", "RUNTIME_SWITCHES", "parse_overrides"]
+
+
+# fields that choose only how the same math runs (kernels, precision of a GEMM's partial products, compilation):
+# `v4 bench step --compare` switches them on one trainer
+RUNTIME_SWITCHES = ("attn_impl", "head_gemm", "moe_impl", "compiled")
+COMPILED_REGIONS = ("hc", "attn", "moe")
 
 
 @dataclass
@@ -75,8 +81,17 @@ class ModelConfig:
     qat_rollout_fp8: bool = False
     shared_expert_clamp: bool = True     # official clamps the shared expert's SwiGLU too; MILES training does not
     # the fp32 head GEMM on CUDA: "bf16x3" = three bf16 tensor-core GEMMs on split operands (~2^-16 per product,
-    # dsv4/kernels/split_gemm.py), "fp32" = one fp32 GEMM on the CUDA cores; a CPU always runs the fp32 GEMM
-    head_gemm: str = "bf16x3"
+    # dsv4/kernels/split_gemm.py), forward and backward; "bf16x3_fwd" = the forward so, the backward's two GEMMs
+    # one bf16 GEMM each (the gradient at bf16 precision, as every other layer's); "fp32" = one fp32 GEMM on the
+    # CUDA cores. A CPU always runs the fp32 GEMM.
+    head_gemm: str = "bf16x3_fwd"
+    # training's regions through torch.compile on CUDA, "+"-separated (or "none"): "hc" = the hyper-connections (the
+    # Sinkhorn iterations forward and backward in a few kernels), "attn" = the attention's per-head q norm and
+    # rotations, "moe" = the routed experts' gated activation (moe_impl grouped)
+    compiled: str = "hc+attn+moe"
+    # the routed experts in training (EP = 1) on CUDA: "grouped" = one grouped GEMM (torch._grouped_mm) per weight
+    # over all experts; "loop" = one GEMM per expert, as the reference (and a CPU) runs them
+    moe_impl: str = "grouped"
     indexer_loss_coeff: float = 0.0      # weight of the KL indexer loss that trainers add (the model only reports it)
     seed: int = 0                        # deterministic initialisation
 
@@ -84,6 +99,10 @@ class ModelConfig:
     @property
     def n_dense_layers(self) -> int:
         return 0  # every V4 layer is MoE (first_k_dense_replace = 0)
+
+    @property
+    def compiled_regions(self) -> tuple[str, ...]:
+        return tuple(r for r in self.compiled.split("+") if r and r != "none")
 
     def layer_ratio(self, layer_id: int) -> int:
         """Compression ratio of layer `layer_id` (MTP layers are numbered n_layers, n_layers+1, ...)."""
@@ -129,8 +148,13 @@ class ModelConfig:
             errs.append(f"dtype={self.dtype!r}: one of bf16, fp32")
         if self.attn_impl not in ("torch", "tilelang"):
             errs.append(f"attn_impl={self.attn_impl!r}: one of torch, tilelang")
-        if self.head_gemm not in ("fp32", "bf16x3"):
-            errs.append(f"head_gemm={self.head_gemm!r}: one of fp32, bf16x3")
+        if self.head_gemm not in ("fp32", "bf16x3", "bf16x3_fwd"):
+            errs.append(f"head_gemm={self.head_gemm!r}: one of fp32, bf16x3, bf16x3_fwd")
+        if self.moe_impl not in ("loop", "grouped"):
+            errs.append(f"moe_impl={self.moe_impl!r}: one of loop, grouped")
+        if not set(self.compiled_regions) <= set(COMPILED_REGIONS):
+            errs.append(f"compiled={self.compiled!r}: regions joined by '+', from {', '.join(COMPILED_REGIONS)} "
+                        "(or none)")
         if self.weight_dtype not in ("fp8", "bf16") or self.expert_dtype not in ("fp4", "fp8", "bf16"):
             errs.append(f"weight_dtype={self.weight_dtype!r} (fp8|bf16), expert_dtype={self.expert_dtype!r} (fp4|fp8|bf16)")
         if self.hc_mult < 1 or self.n_layers < 1:

@@ -255,9 +255,10 @@ def route(logits: torch.Tensor, score_func: str, topk: int, route_scale: float,
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The fp32 head GEMM, as cfg.head_gemm says (on CUDA; F.linear in fp32 on a CPU)."""
-    if cfg.head_gemm == "bf16x3":
-        return split_gemm.linear(x.float(), w)
+    """The fp32 head GEMM, as cfg.head_gemm says (on CUDA; F.linear in fp32 on a CPU). x: the final norm's output,
+    passed in its dtype (bf16 values are exact: the split GEMM skips their lo half)."""
+    if cfg.head_gemm in ("bf16x3", "bf16x3_fwd"):
+        return split_gemm.linear(x, w, split_backward=cfg.head_gemm == "bf16x3")
     return F.linear(x.float(), w.float())
 
 

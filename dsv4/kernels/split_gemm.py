@@ -12,6 +12,13 @@ the split) is ~2^-16 of each product, against 2^-8 for one bf16 GEMM and 2^-11 f
 fp32 as before. tests/kernels/test_split_gemm_gpu.py measures the error against an fp64 product beside the
 fp32 GEMM's own.
 
+An operand that is already bf16 (the head's input: the final norm's bf16 output; the hyper-connections' bf16
+streams) is exact, so its lo half is zero and the GEMMs by it are skipped: two GEMMs, same result.
+
+The backward can split too (`split_backward`, head_gemm "bf16x3": six GEMMs) or run one bf16 GEMM per
+gradient (head_gemm "bf16x3_fwd": two), which rounds the logits' gradient to bf16 as every other layer's
+gradient is: the logits themselves, which RL's log-probabilities read, stay split.
+
 CUDA only: `mm`'s `out_dtype` has no CPU kernel, and on a CPU the fp32 GEMM is what runs anyway
 (`linear` falls back to F.linear there, so CPU results stay exact).
 
@@ -58,38 +65,69 @@ def mm3(a_hi, a_lo, b_hi, b_lo, acc: torch.Tensor | None = None) -> torch.Tensor
     return _mm(a_hi, b_lo, y)
 
 
+def _xw(x: torch.Tensor, wh: torch.Tensor, wl: torch.Tensor) -> torch.Tensor:
+    """x @ (wh + wl)^T for x already exact in bf16 (its lo half is zero): two GEMMs, or for a narrow w [N, K]
+    one on the stacked halves (x, the large operand, read once)."""
+    N = wh.shape[0]
+    if N <= _STACK_ROWS:
+        y = _mm(x, torch.cat([wh, wl]).t())
+        return y[:, :N] + y[:, N:]
+    return _mm(x, wl.t(), _mm(x, wh.t()))
+
+
 class _SplitLinear(torch.autograd.Function):
+    """x [M, K] @ w [N, K]^T -> fp32. x fp32 is split; x bf16 is exact, so the GEMMs by its lo half are skipped."""
+
     @staticmethod
-    def forward(ctx, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x2d: torch.Tensor, w: torch.Tensor, split_backward: bool) -> torch.Tensor:
         ctx.save_for_backward(x2d, w)
+        ctx.split_backward = split_backward
         wh, wl = split(w)
+        if x2d.dtype == torch.bfloat16:
+            return _xw(x2d, wh, wl)
         return mm3(*split(x2d), wh.t(), wl.t())
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x2d, w = ctx.saved_tensors
         g = g.float()
-        gx = gw = None
+        exact = x2d.dtype == torch.bfloat16
         need_x, need_w = ctx.needs_input_grad[:2]
-        wh, wl = split(w) if need_x else (None, None)
-        if need_x:
-            gx = torch.empty_like(x2d)
+        gx = torch.empty(x2d.shape, dtype=torch.float32, device=x2d.device) if need_x else None
+        gw = None
+        if ctx.split_backward:
+            wh, wl = split(w) if need_x else (None, None)
+        else:                            # one bf16 GEMM per gradient, fp32 out
+            wh = w.to(torch.bfloat16) if need_x else None
         for i in range(0, g.shape[0], _CHUNK_ROWS):
-            gh, gl = split(g[i:i + _CHUNK_ROWS])
+            rows = slice(i, i + _CHUNK_ROWS)
+            if not ctx.split_backward:
+                gh = g[rows].to(torch.bfloat16)
+                if need_x:
+                    gx[rows] = _mm(gh, wh)
+                if need_w:
+                    gw = _mm(gh.t(), x2d[rows].to(torch.bfloat16), gw)
+                continue
+            gh, gl = split(g[rows])
             if need_x:
-                gx[i:i + _CHUNK_ROWS] = mm3(gh, gl, wh, wl)               # g @ W
-            if need_w:
-                xh, xl = split(x2d[i:i + _CHUNK_ROWS])
-                gw = mm3(gh.t(), gl.t(), xh, xl, gw)                     # g^T @ x, summed over chunks
-        return gx, gw
+                gx[rows] = mm3(gh, gl, wh, wl)                             # g @ W
+            if need_w:                                                      # g^T @ x, summed over chunks
+                if exact:
+                    gw = _mm(gl.t(), x2d[rows], _mm(gh.t(), x2d[rows], gw))
+                else:
+                    xh, xl = split(x2d[rows])
+                    gw = mm3(gh.t(), gl.t(), xh, xl, gw)
+        return (gx.to(x2d.dtype) if gx is not None else None), gw, None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) for fp32 x [..., K] and w [N, K] -> fp32 [..., N], by the split on CUDA (differentiable
-    in both), F.linear elsewhere."""
+def linear(x: torch.Tensor, w: torch.Tensor, split_backward: bool = True) -> torch.Tensor:
+    """F.linear(x, w) for x [..., K] (fp32, or bf16: then exact and not split) and fp32 w [N, K] -> fp32 [..., N],
+    by the split on CUDA (differentiable in both), in fp32 elsewhere. split_backward=False: the backward's two
+    GEMMs run as one bf16 GEMM each."""
     if not x.is_cuda:
-        return torch.nn.functional.linear(x, w)
-    y = _SplitLinear.apply(x.reshape(-1, x.shape[-1]).float(), w.float())
+        return torch.nn.functional.linear(x.float(), w.float())
+    x2d = x.reshape(-1, x.shape[-1])
+    y = _SplitLinear.apply(x2d if x2d.dtype == torch.bfloat16 else x2d.float(), w.float(), split_backward)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -110,6 +148,10 @@ class SplitWeight:
         self.lo.copy_(lo)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> fp32 [..., N]; CUDA only."""
-        y = mm3(*split(x.reshape(-1, x.shape[-1]).float()), self.hi.t(), self.lo.t())
+        """x [..., K] (fp32, or bf16: exact) -> fp32 [..., N]; CUDA only."""
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.dtype == torch.bfloat16:
+            y = _mm(x2d, self.lo.t(), _mm(x2d, self.hi.t()))
+        else:
+            y = mm3(*split(x2d.float()), self.hi.t(), self.lo.t())
         return y.view(*x.shape[:-1], self.w.shape[0])

@@ -13,6 +13,9 @@ _forward_cp, cp_attention.py): every other layer is per token and runs on the ra
 """
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import Callable, NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -71,6 +74,51 @@ class AttachAuxLoss(torch.autograd.Function):
     def backward(ctx, grad):
         (aux,) = ctx.saved_tensors
         return grad, torch.full_like(aux, ctx.weight), None
+
+
+# ================================================================================================ compiled regions
+# Regions of the layers that cfg.compiled sends through torch.compile (inductor) on CUDA. Eagerly each is a chain
+# of elementwise ops and small reductions, one kernel (and for big tensors one memory round trip) per op, forward
+# and backward; compiled, a few fused kernels. Each is a function of tensors (parameters are arguments), so one
+# graph serves every layer.
+class HCFunctions(NamedTuple):
+    pre: Callable
+    post: Callable
+    head: Callable
+
+
+EAGER_HC = HCFunctions(ref.hc_pre, ref.hc_post, ref.hc_head)
+
+
+def q_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each query head RMS-normed (no weight), then its rope dims rotated."""
+    return ref.rope_tail(ref.rms_norm(q, None, eps), cos, sin)
+
+
+def unrope(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return ref.rope_tail(o, cos, sin, inverse=True)
+
+
+def gated(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
+    """The routed experts' activation: w * swiglu(a, b) in fp32, to the GEMM dtype (as Expert.forward)."""
+    return (w * ref.swiglu(a.float(), b.float(), limit)).to(dtype)
+
+
+@lru_cache(maxsize=None)
+def _compiled(region: str):
+    if region == "hc":
+        return HCFunctions(*(torch.compile(f, dynamic=False) for f in EAGER_HC))
+    return {"q_heads": torch.compile(q_heads, dynamic=False), "unrope": torch.compile(unrope, dynamic=False),
+            "gated": torch.compile(gated, dynamic=False)}[region]
+
+
+def region(cfg: ModelConfig, name: str, x: torch.Tensor):
+    """The compiled region `name` where cfg.compiled asks for it (`name`'s group: hc, attn, moe) and x is on CUDA,
+    else its eager form."""
+    group = {"q_heads": "attn", "unrope": "attn", "gated": "moe"}.get(name, name)
+    if group in cfg.compiled_regions and x.is_cuda:
+        return _compiled(name)
+    return {"hc": EAGER_HC, "q_heads": q_heads, "unrope": unrope, "gated": gated}[name]
 
 
 # ================================================================================================ embedding
@@ -135,7 +183,7 @@ class ParallelAttention(nn.Module):
         cos, sin = ref.rope_cos_sin(self.freqs, torch.arange(S, device=x.device))
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))
-        q = ref.rope_tail(ref.rms_norm(q, None, cfg.norm_eps), cos, sin)
+        q = region(cfg, "q_heads", q)(q, cos, sin, cfg.norm_eps)
         kv = ref.rope_tail(self.kv_norm(self.wkv(x)), cos, sin)
         if cfg.qat_kv_fp8:
             kv = ref._kv_fp8_qat(kv, cfg.rope_head_dim)
@@ -151,7 +199,7 @@ class ParallelAttention(nn.Module):
             idx = torch.cat([idx, idx_c], dim=-1)
         idx = idx.int().contiguous()
         o = ref.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale, impl=cfg.attn_impl)
-        o = ref.rope_tail(o, cos, sin, inverse=True)
+        o = region(cfg, "unrope", o)(o, cos, sin)
         out = sp_reduce_scatter(self.wo_b(ref.grouped_output(o, self.wo_a.qat_weight_value(), self.n_local_groups)))
         if aux_weight is not None and index_logits is not None and cmp_idx.shape[-1] > 0:   # as dsv4.model
             out = AttachAuxLoss.apply(out, self.indexer_loss(q, kv_all, idx, cmp_idx, index_logits, S), aux_weight)
@@ -185,7 +233,7 @@ class ParallelAttention(nn.Module):
         cos, sin = ref.rope_cos_sin(self.freqs, pos)
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))
-        q = ref.rope_tail(ref.rms_norm(q, None, cfg.norm_eps), cos, sin)
+        q = region(cfg, "q_heads", q)(q, cos, sin, cfg.norm_eps)
         ext = cpa.extend_chunks(x, split, cpa.halo_reach(cfg.window_size, self.ratio))
         kv_rows, win, offset = [], [], 0
         for (e, start), g in zip(ext, split.starts):
@@ -212,7 +260,7 @@ class ParallelAttention(nn.Module):
             idx = torch.cat([idx, idx_c], dim=-1)
         idx = idx.int().contiguous()
         o = ref.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale, impl=cfg.attn_impl)
-        o = ref.rope_tail(o, cos, sin, inverse=True)
+        o = region(cfg, "unrope", o)(o, cos, sin)
         out = sp_reduce_scatter(self.wo_b(ref.grouped_output(o, self.wo_a.qat_weight_value(), self.n_local_groups)))
         if aux_weight is not None and index_logits is not None and cmp_idx.shape[-1] > 0:
             out = AttachAuxLoss.apply(out, self.indexer_loss(q, kv_all, idx, cmp_idx, index_logits, offset),
@@ -236,6 +284,27 @@ class ParallelAttention(nn.Module):
 
 
 # ================================================================================================ MoE
+class GroupedExperts(nn.Module):
+    """Experts' FFNs on rows grouped by expert (offs: each group's end), each of w1, w3, w2 one grouped GEMM over
+    all experts (torch._grouped_mm) where the reference runs three GEMMs per expert. The experts' weights are
+    stacked at each call, through their QAT points: a copy of the layer's routed weights (the GEMMs read them once
+    more anyway). No parameters of its own: the experts stay the reference modules, by their official names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, rows: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, experts: list) -> torch.Tensor:
+        def gemm(a, name):                       # a @ W^T for each expert's rows, as its Linear would
+            lin = [getattr(e, name) for e in experts]
+            if lin[0].qat_input == "fp8":
+                a = quant.fp8_act_qdq(a, 128)
+            stacked = torch.stack([m.qat_weight_value().to(a.dtype) for m in lin]).transpose(1, 2)   # [E, in, out]
+            return torch._grouped_mm(a, stacked, offs=offs)
+        a, b = gemm(rows, "w1"), gemm(rows, "w3")
+        return gemm(region(self.cfg, "gated", a)(a, b, w, experts[0].swiglu_limit, rows.dtype), "w2")
+
+
 class ParallelMoE(nn.Module):
     """dsv4.model.MoE with routed experts split over EP (token dispatch by all_to_all) and, with ETP = TP,
     each expert's FFN split over TP; the shared expert is split over TP.
@@ -256,6 +325,7 @@ class ParallelMoE(nn.Module):
             mark_expert(p)
         limit = cfg.swiglu_limit if cfg.shared_expert_clamp else 0.0
         self.shared_experts = self._expert(cfg, dt, cfg.moe_inter_dim, ranks.tp, limit)
+        self.grouped = GroupedExperts(cfg)
 
     @staticmethod
     def _expert(cfg, dt, inter: int, split: int, limit: float) -> ref.Expert:
@@ -311,12 +381,26 @@ class ParallelMoE(nn.Module):
         return out.float()[torch.argsort(order)].view(T, k, -1).sum(1)
 
     def _routed_local(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """EP = 1: the reference loop itself (same ops in the same order, so gradients match bit for bit)."""
+        """EP = 1: the reference loop itself (same ops in the same order, so gradients match bit for bit), or on CUDA
+        with moe_impl "grouped" the same sums through grouped GEMMs."""
+        if self.cfg.moe_impl == "grouped" and x.is_cuda and x.dtype == torch.bfloat16:   # its CUDA kernels: bf16
+            return self._routed_grouped(x, weights, idx)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(idx).tolist():
             tok, slot = torch.where(idx == e)
             y = y.index_add(0, tok, self.experts[str(e)](x[tok], weights[tok, slot].unsqueeze(-1)).float())
         return y
+
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The reference loop's sums through GroupedExperts: assignments sorted by expert (stable, so each token's
+        contributions are added in expert order, as the loop adds them), no host sync for the expert counts."""
+        T, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = order // k
+        offs = torch.cumsum(torch.bincount(flat, minlength=self.cfg.n_routed_experts), 0).to(torch.int32)
+        out = self.grouped(x[tok], weights.reshape(-1)[order].unsqueeze(-1), offs, list(self.experts.values()))
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add(0, tok, out.float())
 
     def _run_local(self, rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows arrive grouped by source rank, then by local expert (counts [sources, n_local]); regroup by
@@ -354,17 +438,18 @@ class ParallelBlock(nn.Module):
         self.ffn_norm = SPRMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = ParallelMoE(layer_id, cfg, ranks)
 
-    def _hc_pre(self, X, sub):
+    def _hc_pre(self, hc: HCFunctions, X, sub):
         c = self.cfg
-        return ref.hc_pre(X, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
-                          getattr(self, f"hc_{sub}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        return hc.pre(X, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                      getattr(self, f"hc_{sub}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
     def forward(self, X: torch.Tensor, ids: torch.Tensor, aux_weight: float | None = None) -> torch.Tensor:
         """X [B, S/TP, hc, dim] streams, ids [B, S]."""
-        x, post, comb = self._hc_pre(X, "attn")
-        X = ref.hc_post(self.attn(self.attn_norm(x), aux_weight), X, post, comb)
-        x, post, comb = self._hc_pre(X, "ffn")
-        return ref.hc_post(self.ffn(self.ffn_norm(x), ids), X, post, comb)
+        hc = region(self.cfg, "hc", X)
+        x, post, comb = self._hc_pre(hc, X, "attn")
+        X = hc.post(self.attn(self.attn_norm(x), aux_weight), X, post, comb)
+        x, post, comb = self._hc_pre(hc, X, "ffn")
+        return hc.post(self.ffn(self.ffn_norm(x), ids), X, post, comb)
 
 
 class ParallelMTPBlock(ParallelBlock):

@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 from dsv4 import model as ref
 from dsv4.config import ModelConfig
 from dsv4.megatron.layers import (ParallelBlock, ParallelMTPBlock, SPRMSNorm, VocabParallelEmbedding,
-                                  column_linear)
+                                  column_linear, region)
 from dsv4.megatron.parallel import Layout, Ranks, cp_slice, mark_replicated, shard_index, sharded_tensor, sp_gather
 
 
@@ -159,8 +159,8 @@ class DSV4Stage(nn.Module):
 
     def head_logits(self, X, fn, scale, base, norm) -> torch.Tensor:
         """Vocab-parallel logits [B, S, V/TP] (fp32) of the streams X [B, S/TP, hc, dim]."""
-        y = ref.hc_head(X, fn, scale, base, self.cfg.hc_eps, self.cfg.norm_eps)
-        return ref.head_linear(sp_gather(norm(y).float()), self.head.weight, self.cfg)
+        y = region(self.cfg, "hc", X).head(X, fn, scale, base, self.cfg.hc_eps, self.cfg.norm_eps)
+        return ref.head_linear(sp_gather(norm(y)), self.head.weight, self.cfg)
 
     def _scored_logits(self, logits: torch.Tensor, score: dict) -> torch.Tensor:
         """logits / temperature, tokens outside the allowed set pushed to -1e30 (finite: the vocab-parallel

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -26,7 +27,7 @@ PART_OF_CLASS = {
     "ParallelAttention": "attention", "Attention": "attention",
     "RMSNorm": "norms", "SPRMSNorm": "norms",
     "Gate": "router and dispatch", "ParallelMoE": "router and dispatch", "MoE": "router and dispatch",
-    "Expert": "expert GEMMs",
+    "Expert": "expert GEMMs", "GroupedExperts": "expert GEMMs",
     "ParallelBlock": "hyper-connections", "ParallelMTPBlock": "hyper-connections",
     "Block": "hyper-connections", "MTPBlock": "hyper-connections",
     "VocabParallelEmbedding": "embedding", "Embedding": "embedding",
@@ -110,10 +111,8 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def breakdown(events, wall_s: float) -> list[Part]:
-    """Parts of one step from the profiler's function events (`prof.events()`) and the step's wall time."""
-    events = list(events)
-    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+def _attributor(cpu: list) -> Callable:
+    """part_of(op) for the ops of one profiled step: its scope, or for a backward op its forward op's scope."""
     # forward: the part of every op with a sequence number, for the backward nodes that carry the same number
     part_of_seq: dict[int, str] = {}
     for e in cpu:
@@ -132,19 +131,31 @@ def breakdown(events, wall_s: float) -> list[Part]:
         if node is not None:
             return part_of_seq.get(node.sequence_nr, "other")
         return "other"
+    return part_of
 
+
+def _kernels(events) -> tuple[list, list[tuple[object, str]]]:
+    """(the CPU ops, [(kernel, part)]) of one profiled step."""
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    part_of = _attributor(cpu)
+    return cpu, [(k, "communication" if _is_comm(k.name) else part_of(e)) for e in cpu for k in e.kernels]
+
+
+def breakdown(events, wall_s: float) -> list[Part]:
+    """Parts of one step from the profiler's function events (`prof.events()`) and the step's wall time."""
+    events = list(events)
+    cpu, kernels = _kernels(events)
     us = dict.fromkeys(PARTS, 0.0)
     count = dict.fromkeys(PARTS, 0)
     kernel_spans = [(e.time_range.start, e.time_range.end) for e in events
                     if e.device_type != torch.autograd.DeviceType.CPU]
     if kernel_spans:
-        for e in cpu:
-            for k in e.kernels:
-                part = "communication" if _is_comm(k.name) else part_of(e)
-                us[part] += k.duration
-                count[part] += 1
+        for k, part in kernels:
+            us[part] += k.duration
+            count[part] += 1
         busy = _union_us(kernel_spans)
     else:   # CPU: each op's own time
+        part_of = _attributor(cpu)
         for e in cpu:
             if e.name.startswith(_SCOPE) or e.name.startswith(_BACKWARD):
                 continue
@@ -154,6 +165,50 @@ def breakdown(events, wall_s: float) -> list[Part]:
         busy = sum(us.values())
     us["idle"] = max(wall_s * 1e6 - busy, 0.0)
     return [Part(p, us[p] / 1e3, us[p] / (wall_s * 1e6), count[p]) for p in PARTS if us[p] > 0 or p == "idle"]
+
+
+@dataclass
+class Kernel:
+    name: str
+    part: str
+    ms: float             # summed over its launches in the step
+    launches: int
+
+
+def top_kernels(events, n: int) -> list[Kernel]:
+    """The n kernels (by name and part) with the most device time in the step: the next lever by name."""
+    total: dict[tuple[str, str], list] = {}
+    for k, part in _kernels(list(events))[1]:
+        t = total.setdefault((k.name, part), [0.0, 0])
+        t[0] += k.duration
+        t[1] += 1
+    rows = [Kernel(name, part, us / 1e3, count) for (name, part), (us, count) in total.items()]
+    return sorted(rows, key=lambda k: -k.ms)[:n]
+
+
+def kernel_table(kernels: list[Kernel]) -> str:
+    lines = [f"{'ms':>8} {'launches':>8}  {'part':<20} kernel"]
+    for k in kernels:
+        name = k.name if len(k.name) <= 90 else k.name[:87] + "..."
+        lines.append(f"{k.ms:>8.1f} {k.launches:>8}  {k.part:<20} {name}")
+    return "\n".join(lines)
+
+
+def compare_table(rows: list) -> str:
+    """The profiled steps of several variants side by side: ms by part, one column per variant (numbered as the
+    rows above it), the last variant's share."""
+    lines = [f"{'part':<22} " + " ".join(f"{'(' + str(i + 1) + ') ms':>10}" for i in range(len(rows)))
+             + f" {'share':>7}"]
+    by_row = [{p.name: p for p in r.parts} for r in rows]
+    rows = [r for r in rows if r.parts]
+    order = [p.name for p in sorted(rows[-1].parts, key=lambda p: (p.name == "idle", -p.ms))]
+    order += [n for n in PARTS if n not in order and any(n in b for b in by_row)]
+    for name in order:
+        cells = " ".join(f"{b[name].ms if name in b else 0.0:>10.1f}" for b in by_row)
+        last = by_row[-1].get(name)
+        lines.append(f"{name:<22} {cells} {(last.share if last else 0.0):>7.1%}")
+    lines.append(f"{'step (wall)':<22} " + " ".join(f"{r.profiled_wall_s * 1e3:>10.1f}" for r in rows) + f" {1:>7.0%}")
+    return "\n".join(lines)
 
 
 def table(parts: list[Part], wall_s: float) -> str:
@@ -174,20 +229,24 @@ class StepRow:
     mfu: float | None
     loss: float           # on one fixed batch with the starting weights: the variants' numerics side by side
     peak_mem_gb: float    # on CUDA the variant's own peak; on a CPU the process's so far (RSS cannot be reset)
+    parts: list[Part] | None = None        # its profiled step by part
+    profiled_wall_s: float | None = None
 
 
 def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps: int, warmup: int, device: str,
                recompute: str = "none", peak_tflops: float = 0.0, variants: list[dict] | None = None,
-               profile: bool = True, seed: int = 1234, say=print) -> dict:
+               profile: str = "last", top: int = 0, seed: int = 1234, say=print) -> dict:
     """Time `steps` training steps after `warmup` (one process, world size 1, the real Trainer: megatron-core's
-    DDP, optimizer and schedule) for each variant, then profile one more step of the last variant.
+    DDP, optimizer and schedule) for each variant, and profile one more step (`profile`: of the "last" variant, of
+    "each", or "none"); the longest `top` kernels are listed for the last variant.
 
-    A variant sets ModelConfig fields that only choose how the same math runs (head_gemm, attn_impl) on the
+    A variant sets ModelConfig fields that only choose how the same math runs (config.RUNTIME_SWITCHES) on the
     trainer's own config, so every variant runs in one process on the same data; each row's loss is taken on
     one fixed batch with the starting weights before anything trains, so the losses differ only by numerics."""
     import statistics
     import time
 
+    from dsv4.config import RUNTIME_SWITCHES
     from dsv4.flops import train_flops_per_token
     from dsv4.megatron.launch import free_port
     from dsv4.megatron.parallel import Layout, init_parallel
@@ -211,15 +270,19 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
     tokens = global_batch * seq_len
     fixed = batch()
     losses = []
+    base = {k: getattr(cfg, k) for k in RUNTIME_SWITCHES}
+
+    def apply(v: dict) -> None:          # each variant from the configured switches, not from the one before
+        for k, val in {**base, **v}.items():
+            setattr(cfg, k, val)
     for v in variants:
-        for k, val in v.items():
-            setattr(cfg, k, val)
+        apply(v)
         losses.append(trainer.eval_loss(fixed)[0])
-    rows = []
+    rows, kernels = [], []
     for v, loss in zip(variants, losses):
-        for k, val in v.items():
-            setattr(cfg, k, val)
-        name = " ".join(f"{k}={val}" for k, val in v.items()) or "as configured"
+        apply(v)
+        name = " ".join(f"{k}={val}" for k, val in v.items()) or " ".join(
+            f"{k}={getattr(cfg, k)}" for k in RUNTIME_SWITCHES)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = []
@@ -235,24 +298,34 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
                             peak_memory_gb(device)))
         say(f"[bench] {name}: {t:.3f} s/step, {tokens / t:,.0f} tokens/s, {tflops:.1f} TFLOP/s"
             + (f", MFU {tflops / peak_tflops:.1%}" if peak_tflops else ""))
-    parts, wall = None, None
-    if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        step_opt = trainer.optimizer.step
+        last = v is variants[-1]
+        if profile == "each" or (profile == "last" and last):
+            rows[-1].parts, rows[-1].profiled_wall_s, found = _profiled_step(trainer, batch(), device,
+                                                                             top if last else 0)
+            kernels = found if last else kernels
+            say(f"[bench] {name}: profiled step {rows[-1].profiled_wall_s:.3f} s (profiler overhead included)")
+    return {"flops_per_token": flops, "tokens_per_step": tokens, "rows": rows, "top_kernels": kernels}
 
-        def scoped_step(*a, **kw):
-            with optimizer_scope():
-                return step_opt(*a, **kw)
-        trainer.optimizer.step = scoped_step
-        micro = batch()
+
+def _profiled_step(trainer, micro, device: str, top: int) -> tuple[list[Part], float, list[Kernel]]:
+    """One training step under the profiler, with each module's part scoped: (parts, wall s, longest kernels)."""
+    import time
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    step_opt = trainer.optimizer.step
+
+    def scoped_step(*a, **kw):
+        with optimizer_scope():
+            return step_opt(*a, **kw)
+    trainer.optimizer.step = scoped_step
+    try:
         with scopes(trainer.stage), torch_profile(activities=activities) as prof:
             t0 = time.perf_counter()
             trainer.step(micro)
             wall = time.perf_counter() - t0
+    finally:
         trainer.optimizer.step = step_opt
-        parts = breakdown(prof.events(), wall)
-        say(f"[bench] profiled step: {wall:.3f} s (profiler overhead included)")
-    return {"flops_per_token": flops, "tokens_per_step": tokens, "rows": rows, "parts": parts,
-            "profiled_wall_s": wall}
+    events = prof.events()
+    return breakdown(events, wall), wall, (top_kernels(events, top) if top and device == "cuda" else [])

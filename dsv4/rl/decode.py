@@ -294,9 +294,10 @@ def after_attention(layer: Block, o, X, post, comb, cos, sin, tok, stack: "Exper
 
 
 def head_input(model: Transformer, X: torch.Tensor) -> torch.Tensor:
-    """The streams contracted and normed: the head GEMM's fp32 input [B, 1, dim]."""
+    """The streams contracted and normed: the head GEMM's input [B, 1, dim] (the norm's dtype: bf16 values are exact
+    and the split GEMM skips their lo half)."""
     y = hc_head(X, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, model.cfg.hc_eps, model.cfg.norm_eps)
-    return model.norm(y).float()
+    return model.norm(y)
 
 
 class Regions(NamedTuple):
@@ -327,12 +328,12 @@ def compiled_regions() -> Regions:
 
 class Prepared:
     """Forms of the model's weights that the decode step reads in place of the parameters, on CUDA: the head's
-    bf16 halves (cfg.head_gemm "bf16x3") and each layer's stacked routed experts. Built once per engine and
+    bf16 halves (cfg.head_gemm bf16x3 or bf16x3_fwd) and each layer's stacked routed experts. Built once per engine and
     shared by its decoders; `refresh()` after the weights change in place rewrites them in place, so captured
     graphs see the new values. Costs a second copy of the head and of the routed experts."""
 
     def __init__(self, model: Transformer):
-        self.head = split_gemm.SplitWeight(model.head.weight) if model.cfg.head_gemm == "bf16x3" else None
+        self.head = split_gemm.SplitWeight(model.head.weight) if model.cfg.head_gemm != "fp32" else None
         self.experts = [ExpertStack(layer.ffn) for layer in model.layers]
 
     @classmethod

@@ -24,6 +24,8 @@ from typing import Callable
 
 import click
 
+from dsv4.config import RUNTIME_SWITCHES
+
 FWD_FLOPS = "4*B*S*H*K*D"
 BWD_FLOPS = "10*B*S*H*K*D"
 
@@ -386,15 +388,19 @@ def peak_tflops_of(device_name: str) -> float:
 @click.option("--recompute", type=click.Choice(["none", "full"]), default="none", show_default=True)
 @click.option("--warmup", type=int, default=2, show_default=True)
 @click.option("--steps", type=int, default=3, show_default=True, help="timed steps per variant (the median is printed)")
-@click.option("--compare", "compare", default=None, metavar="KEY=V1,V2",
-              help="time each value of a runtime switch side by side on the same weights and batches: "
-                   "head_gemm=fp32,bf16x3 or attn_impl=torch,tilelang")
+@click.option("--compare", "compare", default=None, metavar="KEY=V1,V2 | 'K=V K=V;K=V ...'",
+              help="time variants side by side on the same weights and batches: the values of one runtime switch "
+                   "(head_gemm=fp32,bf16x3), or variants separated by ';', each a set of switches "
+                   "('head_gemm=bf16x3;head_gemm=bf16x3_fwd compiled=hc'). Switches: " + ", ".join(RUNTIME_SWITCHES))
+@click.option("--top", type=int, default=0, show_default=True, help="also list the profiled step's N longest kernels")
 @click.option("--peak-tflops", type=float, default=None,
               help="MFU's denominator (default: HW_PEAK_TFLOPS of the hw/*.env whose HW_GPU_NAME names this GPU)")
-@click.option("--no-profile", is_flag=True, help="skip the profiled step and its table")
+@click.option("--profile", "profile", type=click.Choice(["last", "each", "none"]), default="last", show_default=True,
+              help="profile one more step of the last variant, of each (their tables side by side; reading a "
+                   "profile takes ~30 s on the GPU), or none")
 @click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
 def bench_step(device, model, model_overrides, attn_impl, seq_len, global_batch, micro_batch, recompute, warmup,
-               steps, compare, peak_tflops, no_profile, as_json):
+               steps, compare, top, peak_tflops, profile, as_json):
     """Training step speed: tokens/s, TFLOP/s and MFU of the real trainer (megatron-core DDP and optimizer, one
     process), and a profiled step's device time by part of the model (attention, indexer, compressors,
     hyper-connections, norms, router and dispatch, expert GEMMs, LM head and loss, optimizer, communication,
@@ -405,12 +411,7 @@ def bench_step(device, model, model_overrides, attn_impl, seq_len, global_batch,
     from dsv4.megatron import stepprof
 
     cuda, model, overrides = bench_model(device, model, model_overrides, attn_impl)
-    variants = None
-    if compare:
-        key, _, values = compare.partition("=")
-        if key not in ("head_gemm", "attn_impl") or not values:
-            raise click.BadParameter(f"{compare!r}: KEY=V1,V2 with KEY head_gemm or attn_impl", param_hint="--compare")
-        variants = [{key: v} for v in values.split(",") if v]
+    variants = parse_variants(compare) if compare else None
     try:
         cfg = ModelConfig.preset(model).with_overrides(**overrides)
         for v in variants or []:
@@ -421,27 +422,66 @@ def bench_step(device, model, model_overrides, attn_impl, seq_len, global_batch,
     if peak_tflops is None:
         peak_tflops = peak_tflops_of(torch.cuda.get_device_name()) if cuda else 0.0
     say = (lambda m: click.echo(m, err=True))
-    res = stepprof.bench_step(cfg, seq_len=seq_len or (4096 if cuda else 64),
-                              global_batch=global_batch or (8 if cuda else 2), micro_batch=micro_batch,
-                              steps=steps, warmup=warmup, device=dev, recompute=recompute,
-                              peak_tflops=peak_tflops, variants=variants, profile=not no_profile, say=say)
+    try:
+        res = stepprof.bench_step(cfg, seq_len=seq_len or (4096 if cuda else 64),
+                                  global_batch=global_batch or (8 if cuda else 2), micro_batch=micro_batch,
+                                  steps=steps, warmup=warmup, device=dev, recompute=recompute,
+                                  peak_tflops=peak_tflops, variants=variants, profile=profile, top=top, say=say)
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():      # left initialized, NCCL's exit can hang the process after its output
+            dist.destroy_process_group()
+    rows = res["rows"]
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": model, "overrides": overrides,
-              "peak_tflops": peak_tflops, **res, "rows": [asdict(r) for r in res["rows"]],
-              "parts": [asdict(p) for p in res["parts"]] if res["parts"] else None}
+              "peak_tflops": peak_tflops, **res, "rows": [asdict(r) for r in rows],
+              "top_kernels": [asdict(k) for k in res["top_kernels"]]}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"device: {report['device']}   model: {model} {overrides}   "
                f"{res['tokens_per_step']:,} tokens/step, {res['flops_per_token'] / 1e9:.2f} GFLOP/token (model)"
                + (f", peak {peak_tflops:g} TFLOP/s" if peak_tflops else ""))
-    click.echo(f"{'variant':<24} {'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'loss':>9} {'peak GB':>8}")
-    for r in res["rows"]:
+    w = max([24] + [len(r.variant) + 4 for r in rows])
+    click.echo(f"{'variant':<{w}} {'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'loss':>9} {'peak GB':>8}")
+    for i, r in enumerate(rows):
         mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
-        click.echo(f"{r.variant:<24} {r.step_s:>8.3f} {r.tokens_per_s:>10,.0f} {r.model_tflops:>8.1f} {mfu:>6} "
+        label = f"({i + 1}) {r.variant}" if len(rows) > 1 else r.variant
+        click.echo(f"{label:<{w}} {r.step_s:>8.3f} {r.tokens_per_s:>10,.0f} {r.model_tflops:>8.1f} {mfu:>6} "
                    f"{r.loss:>9.4f} {r.peak_mem_gb:>8.1f}")
-    if res["parts"]:
-        click.echo(f"\nwhere the profiled step's time goes ({res['rows'][-1].variant}):")
-        click.echo(stepprof.table(res["parts"], res["profiled_wall_s"]))
+    if rows[-1].parts:
+        if sum(r.parts is not None for r in rows) > 1:
+            click.echo("\nwhere each profiled step's time goes (device ms by part; share: the last variant's):")
+            click.echo(stepprof.compare_table(rows))
+        else:
+            click.echo(f"\nwhere the profiled step's time goes ({rows[-1].variant}):")
+            click.echo(stepprof.table(rows[-1].parts, rows[-1].profiled_wall_s))
+    if res["top_kernels"]:
+        click.echo(f"\nthe {len(res['top_kernels'])} longest kernels of ({len(rows)}) (total over the profiled step):")
+        click.echo(stepprof.kernel_table(res["top_kernels"]))
+
+
+def parse_variants(text: str) -> list[dict[str, str]]:
+    """--compare: 'KEY=V1,V2' (one switch, several values) or 'K=V K=V;K=V' (variants, each a set of switches)."""
+    def bad(why):
+        return click.BadParameter(f"{text!r}: {why}; switches: {', '.join(RUNTIME_SWITCHES)}", param_hint="--compare")
+    if ";" not in text and " " not in text.strip():
+        key, _, values = text.partition("=")
+        if key not in RUNTIME_SWITCHES or not values:
+            raise bad("KEY=V1,V2 with KEY a runtime switch")
+        return [{key: v} for v in values.split(",") if v]
+    variants = []
+    for part in text.split(";"):
+        v = {}
+        for item in part.split():
+            key, eq, value = item.partition("=")
+            if key not in RUNTIME_SWITCHES or not eq or not value:
+                raise bad(f"{item!r} is not SWITCH=VALUE")
+            v[key] = value
+        if v:
+            variants.append(v)
+    if not variants:
+        raise bad("no variant")
+    return variants
 
 
 def with_speedups(rows: list[Row]) -> list[Row]:

@@ -66,3 +66,28 @@ def test_backward_within_fp32_grade():
     ex, ew = rel_err(xs.grad, gx_ref), rel_err(ws.grad, gw_ref)
     print(f"\ngrad x {ex:.2e}  grad w {ew:.2e}")
     assert ex < 1e-4 and ew < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("N", [24, 8192], ids=["narrow-w (hc mixes)", "wide-w (head)"])
+def test_bf16_input_is_exact_and_skips_its_lo_half(N):
+    """A bf16 x (the head's normed input, the hc streams) is exact: two GEMMs give the fp32-grade product; the
+    backward either splits (fp32-grade gradients) or runs one bf16 GEMM per gradient (bf16-grade)."""
+    x, w = _case(3000, 1024, N, seed=2)
+    x = x.bfloat16()
+    g = torch.randn(3000, N, device="cuda")
+    ref = x.double() @ w.double().t()
+    errs = {}
+    for split_backward in (True, False):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = split_gemm.linear(xs, ws, split_backward=split_backward)
+        (y * g).sum().backward()
+        assert y.dtype == torch.float32 and xs.grad.dtype == torch.bfloat16
+        errs[split_backward] = (rel_err(y, ref), rel_err(xs.grad.float(), g.double() @ w.double()),
+                                rel_err(ws.grad, g.double().t() @ x.double()))
+    print(f"\nN={N}: split backward (y, gx, gw) {errs[True]}, bf16 backward {errs[False]}")
+    assert errs[True][0] < 1e-4 and errs[True][2] < 1e-4
+    assert errs[True][1] < 1e-2                   # gx is returned in x's dtype, bf16
+    assert errs[False][2] > 20 * errs[True][2]    # the bf16 backward is bf16-grade, not the split's
+    assert errs[False][2] < 2e-2
