@@ -1,5 +1,5 @@
-"""DeepSeek-V4 checkpoints: official <-> HF names, a random checkpoint in the released layout, and a
-streaming FP8/MXFP4 -> BF16 dequantizer.
+"""DeepSeek-V4 checkpoints: official names and their HF-style aliases, a random checkpoint in the released
+layout, and a streaming FP8/MXFP4 -> BF16 dequantizer.
 
 Released layout (official names, e.g. `layers.0.attn.wq_a.weight` + `layers.0.attn.wq_a.scale`):
   * FP8 linears: e4m3 [N, K] + e8m0 (or fp32) scales [ceil(N/128), ceil(K/128)];
@@ -8,8 +8,8 @@ Released layout (official names, e.g. `layers.0.attn.wq_a.weight` + `layers.0.at
 `ModelConfig.storage_format(name)` says which is which; `ModelConfig.param_shapes()` gives logical shapes.
 
 BF16 output of the dequantizer: quantized and bf16 tensors become bf16; fp32 and int32 tensors keep their dtype
-(the sink, hyper-connection and ape parameters must stay fp32). Names are HF by default (`model.layers.0.
-self_attn.wq_a.weight`), or official.
+(the sink, hyper-connection and ape parameters must stay fp32). Names are the official ones, which the Hub
+release has and transformers' and SGLang's DeepSeek-V4 loaders read; HF-style aliases are read, not written.
 
 Shards are written by our own streaming safetensors writer: the header is known in advance from the plan, tensor
 bytes are appended one tensor at a time (memory stays bounded by the largest tensor), the file is fsynced under a
@@ -47,15 +47,31 @@ class CheckpointError(ValueError):
 
 
 # ================================================================================================ names
-_HF_COMPONENT = {"attn": "self_attn", "ffn": "mlp", "attn_norm": "input_layernorm",
-                 "ffn_norm": "post_attention_layernorm"}
-_HF_EXPERT_W = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_OFF_COMPONENT = {v: k for k, v in _HF_COMPONENT.items()}
-_OFF_EXPERT_W = {v: k for k, v in _HF_EXPERT_W.items()}
+# Tensor names. The Hub release names its tensors as the official code does (`embed.weight`,
+# `layers.N.attn.wq_a.weight` + `.scale`, `layers.N.ffn.experts.E.w1.weight`, `mtp.K.*`), and the loaders of
+# other projects read exactly those:
+#  * transformers 5.x `DeepseekV4ForCausalLM.from_pretrained` renames and fuses them on load (the "deepseek_v4"
+#    entry of transformers/conversion_mapping.py; `mtp.*` is in its `_keys_to_ignore_on_load_unexpected`);
+#  * SGLang's `DeepseekV4ForCausalLM.load_weights` (python/sglang/srt/models/deepseek_v4.py) renames every
+#    incoming name itself (`remap_weight_name_to_dpsk_hf_format`), and its FP8 `wo_a` pre-pass
+#    (`_dequant_fp8_wo_a`) finds a scale only under its official name `.wo_a.scale`.
+# So `--names hf` writes the official names, and `--names official` is the same output.
+# The HF-style aliases (`model.layers.N.self_attn.wq_a.weight_scale_inv`, `mlp.experts.E.gate_proj`, MTP block k
+# as `model.layers.{n_layers+k}`: the names SGLang renames the official ones into) are read, never written: a
+# BF16 checkpoint under them still loads, as every reader here detects a checkpoint's naming with `detect_naming`.
+OFFICIAL, ALIASES = "official", "aliases"
+NAMES = ("hf", "official")          # `dequantize --names` values; both write the official names
+
+_ALIAS_COMPONENT = {"attn": "self_attn", "ffn": "mlp", "attn_norm": "input_layernorm",
+                    "ffn_norm": "post_attention_layernorm"}
+_ALIAS_EXPERT_W = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_OFF_COMPONENT = {v: k for k, v in _ALIAS_COMPONENT.items()}
+_OFF_EXPERT_W = {v: k for k, v in _ALIAS_EXPERT_W.items()}
 
 
-def official_to_hf(name: str, n_layers: int) -> str:
-    """Official name (weights and `.scale` tensors) -> HF name. MTP block k becomes model.layers.{n_layers+k}."""
+def official_to_alias(name: str, n_layers: int) -> str:
+    """Official name (weights and `.scale` tensors) -> its HF-style alias. MTP block k becomes
+    model.layers.{n_layers+k}."""
     top = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight"}
     if name in top:
         return top[name]
@@ -75,10 +91,10 @@ def official_to_hf(name: str, n_layers: int) -> str:
     out = []
     for i, p in enumerate(rest):
         prev = rest[i - 1] if i else ""
-        if i == 0 and p in _HF_COMPONENT:
-            p = _HF_COMPONENT[p]
-        elif p in _HF_EXPERT_W:                      # only experts.{e}.w* and shared_experts.w* exist
-            p = _HF_EXPERT_W[p]
+        if i == 0 and p in _ALIAS_COMPONENT:
+            p = _ALIAS_COMPONENT[p]
+        elif p in _ALIAS_EXPERT_W:                   # only experts.{e}.w* and shared_experts.w* exist
+            p = _ALIAS_EXPERT_W[p]
         elif prev == "gate" and p == "bias":
             p = "e_score_correction_bias"
         elif prev == "gate" and p == "tid2eid":
@@ -89,8 +105,8 @@ def official_to_hf(name: str, n_layers: int) -> str:
     return ".".join(prefix + out)
 
 
-def hf_to_official(name: str, n_layers: int) -> str:
-    """Inverse of official_to_hf."""
+def alias_to_official(name: str, n_layers: int) -> str:
+    """Inverse of official_to_alias."""
     top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "model.norm.weight": "norm.weight"}
     if name in top:
         return top[name]
@@ -98,7 +114,7 @@ def hf_to_official(name: str, n_layers: int) -> str:
         return name[len("model."):]
     parts = name.split(".")
     if parts[:2] != ["model", "layers"] or len(parts) < 4:
-        raise KeyError(f"HF name {name!r} is not a DeepSeek-V4 parameter name")
+        raise KeyError(f"HF-style name {name!r} is not a DeepSeek-V4 parameter name")
     layer, rest = int(parts[2]), parts[3:]
     prefix = ["layers", str(layer)] if layer < n_layers else ["mtp", str(layer - n_layers)]
     if layer >= n_layers and rest[0] == "shared_head":
@@ -119,9 +135,40 @@ def hf_to_official(name: str, n_layers: int) -> str:
     return ".".join(prefix + out)
 
 
+def _is_alias(name: str) -> bool:
+    # every alias starts with `model.` but the head's; no official name does
+    return name.startswith("model.") or name == "lm_head.weight"
+
+
+def detect_naming(names: Iterable[str], where: str | Path = "checkpoint") -> str:
+    """The naming of a checkpoint from its tensor names (its index keys): OFFICIAL or ALIASES. A checkpoint that
+    mixes the two is an error (its readers map one naming or the other)."""
+    alias = official = None
+    for n in names:
+        if _is_alias(n):
+            alias = alias or n
+        else:
+            official = official or n
+        if alias and official:
+            raise CheckpointError(f"{where}: mixes official tensor names ({official}) with HF-style aliases "
+                                  f"({alias}); write it again with `v4 ckpt dequantize`")
+    return ALIASES if alias else OFFICIAL
+
+
+def to_official(name: str, naming: str, n_layers: int) -> str:
+    """A tensor name of a checkpoint in `naming` -> the official name."""
+    return alias_to_official(name, n_layers) if naming == ALIASES else name
+
+
+def from_official(name: str, naming: str, n_layers: int) -> str:
+    """The official name -> the tensor's name in a checkpoint in `naming`."""
+    return official_to_alias(name, n_layers) if naming == ALIASES else name
+
+
 def name_map(cfg: ModelConfig) -> dict[str, str]:
-    """Every tensor name of the released layout (weights and scales) -> its HF name."""
-    return {n: official_to_hf(n, cfg.n_layers) for n, _, _ in checkpoint_entries(cfg)}
+    """Every tensor name of the released layout (weights and scales; the names `dequantize` writes) -> its
+    HF-style alias (read too)."""
+    return {n: official_to_alias(n, cfg.n_layers) for n, _, _ in checkpoint_entries(cfg)}
 
 
 # ================================================================================================ layout
@@ -382,10 +429,14 @@ def _source_tensors(src: Path) -> dict[str, SourceTensor]:
     return out
 
 
-def _to_official_names(tensors: dict[str, SourceTensor], n_layers: int) -> dict[str, SourceTensor]:
-    if not any(n.startswith("model.") or n == "lm_head.weight" for n in tensors):
+def _to_official_names(tensors: dict[str, SourceTensor], n_layers: int, where: Path) -> dict[str, SourceTensor]:
+    naming = detect_naming(tensors, where)
+    if naming == OFFICIAL:
         return tensors
-    return {hf_to_official(n, n_layers): t for n, t in tensors.items()}
+    try:
+        return {to_official(n, naming, n_layers): t for n, t in tensors.items()}
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{where}: {e.args[0] if isinstance(e, KeyError) else e}") from None
 
 
 # Copies of the shared embedding/head inside an MTP block. The model shares `embed`/`head` (the official
@@ -484,12 +535,14 @@ def _plan_fingerprint(src_tensors: dict[str, SourceTensor]) -> str:
 def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False, names: str = "hf",
                           shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None,
                           workers: int = 1) -> DequantSummary:
-    """Released-layout checkpoint (FP8 + MXFP4, official or HF names) -> BF16 safetensors shards + index in
-    `dst`, with config.json, tokenizer and encoder files copied. Resumes an interrupted run into the same
+    """Released-layout checkpoint (FP8 + MXFP4, official names or HF-style aliases) -> BF16 safetensors shards +
+    index in `dst` under the official names (`names` "hf" or "official", the same output: see the names section
+    above), with config.json, tokenizer and encoder files copied. Resumes an interrupted run into the same
     `dst`; refuses a non-empty `dst` that is not such a run unless force. `workers` > 1 converts that many
     output shards at once in separate processes (shards are independent; progress then moves shard by shard)."""
-    if names not in ("hf", "official"):
-        raise ValueError(f"names={names!r}: use 'hf' or 'official'")
+    if names not in NAMES:
+        raise ValueError(f"names={names!r}: use 'hf' or 'official' (the same output: the official names of the "
+                         "Hub release, which transformers and SGLang load)")
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{src}: no config.json; pass the checkpoint directory (it holds config.json and "
@@ -504,22 +557,20 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
                               "again") from None
     cfg = ModelConfig.from_hf_config(hf_cfg)
     raw = _source_tensors(src)
-    tensors = _to_official_names(raw, cfg.n_layers)
+    tensors = _to_official_names(raw, cfg.n_layers, src)
     raw_name = dict(zip(tensors, raw))          # official -> the name in the source files
     formats, shapes = check_source(cfg, tensors, src)
 
-    # ---- plan: one output tensor per parameter, shards by size
-    out_name = (lambda n: official_to_hf(n, cfg.n_layers)) if names == "hf" else (lambda n: n)
-
+    # ---- plan: one output tensor per parameter under its official name, shards by size
     def out_dtype(name):
         d = tensors[name].dtype
         return d if d in ("F32", "I32", "I64") else "BF16"
 
     items = [(p, _nbytes(out_dtype(p), shapes[p])) for p in shapes]
     groups = _shard_groups(items, shard_bytes)
-    plan = {"fingerprint": _plan_fingerprint(raw), "names": names,
+    plan = {"fingerprint": _plan_fingerprint(raw), "names": OFFICIAL,
             "shards": [{"file": shard_file_name(i, len(groups)),
-                        "tensors": [[out_name(p), out_dtype(p), list(shapes[p])] for p in g]}
+                        "tensors": [[p, out_dtype(p), list(shapes[p])] for p in g]}
                        for i, g in enumerate(groups)]}
 
     # ---- destination: fresh, resumable, or refused
@@ -640,7 +691,7 @@ def iter_state_dict(directory: str | Path, cfg: ModelConfig | None = None):
     directory = Path(directory)
     cfg = cfg or ModelConfig.from_hf_config(str(directory / "config.json"))
     raw = _source_tensors(directory)
-    tensors = _to_official_names(raw, cfg.n_layers)
+    tensors = _to_official_names(raw, cfg.n_layers, directory)
     raw_name = dict(zip(tensors, raw))
     formats, _ = check_source(cfg, tensors, directory)
     reader = _Reader()
@@ -655,7 +706,8 @@ def load_state_dict(directory: str | Path, cfg: ModelConfig | None = None) -> di
 
 def load_model_from_bf16(directory: str | Path, **overrides):
     """Transformer built from `directory`/config.json (plus ModelConfig overrides such as dtype="fp32") with
-    the checkpoint's weights. Accepts HF or official names; a released FP8/MXFP4 layout is dequantized too."""
+    the checkpoint's weights. Accepts official names or HF-style aliases; a released FP8/MXFP4 layout is
+    dequantized too."""
     from dsv4.model import Transformer
 
     directory = Path(directory)

@@ -1,12 +1,13 @@
-"""Step `convert`: BF16 HF checkpoint -> megatron distributed checkpoint at the training layout.
+"""Step `convert`: BF16 checkpoint -> megatron distributed checkpoint at the training layout.
 
     python -m jobs.convert_ckpt --run-dir DIR
 
 Every rank builds its pipeline stage of the DSV4 megatron model for the run's layout (TP/PP/EP/ETP),
-reads exactly its slice of each tensor from the BF16 shards (safetensors slices: names map one to
-one through dsv4.checkpoint.official_to_hf), and all ranks write one megatron dist_checkpointing
-checkpoint (model only, iteration 0). The checkpoint holds logical tensors, so training may also
-load it at another layout. Conversion runs on CPU over gloo whatever the training hardware.
+reads exactly its slice of each tensor from the BF16 shards (safetensors slices, by official name or by
+the HF-style alias of older output, whichever naming dsv4.checkpoint.detect_naming finds in the index),
+and all ranks write one megatron dist_checkpointing checkpoint (model only, iteration 0). The checkpoint
+holds logical tensors, so training may also load it at another layout. Conversion runs on CPU over gloo
+whatever the training hardware.
 
 Output: CKPT_TORCH_DIST (written under a .tmp name, renamed when complete) and its sentinel,
 which records the source and layout; a re-run with the same inputs is skipped.
@@ -33,11 +34,12 @@ class ConvertJob:
 
 
 class BF16Reader:
-    """read(official_name, index) -> that slice of the tensor in a BF16 HF (or official-named) checkpoint."""
+    """read(official_name, index) -> that slice of the tensor in a BF16 checkpoint (official names, as `v4 ckpt
+    dequantize` writes them, or HF-style aliases: the naming is detected from the index keys)."""
 
     def __init__(self, directory: Path, n_layers: int, progress=None, total: int = 0):
-        from dsv4.checkpoint import INDEX, official_to_hf
-        self.dir, self.n_layers, self._to_hf = Path(directory), n_layers, official_to_hf
+        from dsv4.checkpoint import INDEX, detect_naming, from_official
+        self.dir, self.n_layers, self._from_official = Path(directory), n_layers, from_official
         self.progress, self.total, self.done = progress, total, 0      # parameters read, of `total`
         index = self.dir / INDEX
         if index.is_file():
@@ -50,16 +52,16 @@ class BF16Reader:
                     self.files.update({k: f.name for k in h.keys()})
         if not self.files:
             raise FileNotFoundError(f"{self.dir}: no safetensors shards (run the dequantize step first)")
+        self.naming = detect_naming(self.files, self.dir)          # one naming, the dequantizer's or older aliases
         self._open = {}
 
     def __call__(self, name: str, index: tuple[slice, ...]):
         from safetensors import safe_open
-        key = self._to_hf(name, self.n_layers)
+        key = self._from_official(name, self.naming, self.n_layers)
         if key not in self.files:
-            key = name if name in self.files else None
-        if key is None:
-            raise KeyError(f"{self.dir}: tensor {name} (HF {self._to_hf(name, self.n_layers)}) is missing; "
-                           f"was the checkpoint made for this model preset?")
+            named = "" if key == name else f" (as {key}: the checkpoint has HF-style aliases)"
+            raise KeyError(f"{self.dir}: tensor {name}{named} is missing; was the checkpoint made for this model "
+                           "preset?")
         f = self.files[key]
         if f not in self._open:
             self._open[f] = safe_open(self.dir / f, "pt")

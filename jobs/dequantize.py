@@ -1,4 +1,5 @@
-"""Step `dequantize`: official FP8/MXFP4 checkpoint -> BF16 HF shards + index.
+"""Step `dequantize`: official FP8/MXFP4 checkpoint -> BF16 shards + index, under the official names (which
+transformers and SGLang load).
 
 Streaming and resumable (dsv4.checkpoint.dequantize_checkpoint); the sentinel records which source
 it was made from, so a re-run skips and a changed source is redone.

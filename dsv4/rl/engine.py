@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from dsv4 import quant
-from dsv4.checkpoint import hf_to_official, iter_state_dict
+from dsv4.checkpoint import alias_to_official, iter_state_dict
 from dsv4.config import ModelConfig
 from dsv4.model import Transformer
 from dsv4.rl import decode
@@ -409,7 +409,7 @@ class EmbeddedEngine:
         if name in self._params:
             return name
         try:
-            official = hf_to_official(name, self.cfg.n_layers)
+            official = alias_to_official(name, self.cfg.n_layers)
         except (KeyError, ValueError, IndexError):
             official = None
         if official in self._params:
@@ -417,7 +417,8 @@ class EmbeddedEngine:
         raise KeyError(name)
 
     def load_named(self, named) -> int:
-        """Copy (name, tensor) pairs into the model. Names are official or HF; an FP8 e4m3 weight comes with its
+        """Copy (name, tensor) pairs into the model. Names are official (what the RL loop's weight sync sends) or
+        their HF-style aliases, as SGLang's loader takes either; an FP8 e4m3 weight comes with its
         `.scale` / `.weight_scale_inv` (fp32 or e8m0) and is dequantised. All names and shapes are checked before
         anything is written. Returns the number of parameters written."""
         tensors = dict(named)

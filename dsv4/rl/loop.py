@@ -264,12 +264,12 @@ def _is_sglang(engine) -> bool:
 
 
 def push_weights(engine, weights: dict[str, torch.Tensor], cfg, rl: RLConfig, version: str) -> SyncReport:
-    """Send `weights` (whole, official names) to the engine, bracketed as SGLang wants, then read them back. SGLang
-    loads HF names (an FP8 weight's scale as `weight_scale_inv`); our engines take either and get official ones."""
+    """Send `weights` (whole, official names) to the engine, bracketed as SGLang wants, then read them back. Every
+    engine gets the official names, an FP8 weight's scale as `.scale`: SGLang's `DeepseekV4ForCausalLM.load_weights`
+    (python/sglang/srt/models/deepseek_v4.py) takes the Hub checkpoint's names and renames them itself, and its FP8
+    `wo_a` pre-pass finds a scale only as `.wo_a.scale`; `buckets` keeps a weight with its scale under these
+    names."""
     named = sync_tensors(weights, cfg, rl.sync_format)
-    if _is_sglang(engine):
-        from dsv4.checkpoint import official_to_hf
-        named = [(official_to_hf(n, cfg.n_layers), t) for n, t in named]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     t0 = time.perf_counter()
     engine.pause_generation(mode="retract")

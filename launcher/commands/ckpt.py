@@ -1,4 +1,4 @@
-"""`v4 ckpt`: random checkpoints in the released layout, FP8/MXFP4 -> BF16 conversion, the name map.
+"""`v4 ckpt`: random checkpoints in the released layout, FP8/MXFP4 -> BF16 conversion, the names and aliases.
 
 torch and dsv4.checkpoint are imported inside the commands, so loading this module stays cheap.
 """
@@ -48,7 +48,7 @@ class _Bar:
 
 @click.group("ckpt")
 def ckpt():
-    """DeepSeek-V4 checkpoints: generate random ones, dequantize released ones, show the name map."""
+    """DeepSeek-V4 checkpoints: generate random ones, dequantize released ones, show the names and aliases."""
 
 
 @ckpt.command("generate")
@@ -88,7 +88,9 @@ def generate(model, out, seed, overrides, shard_gb, force, as_json):
 @click.argument("src", type=click.Path(file_okay=False, path_type=Path))
 @click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--names", type=click.Choice(["hf", "official"]), default="hf", show_default=True,
-              help="Tensor names in the output.")
+              help="Tensor names in the output. hf: the names HF transformers' DeepseekV4ForCausalLM and SGLang's "
+              "DeepSeek-V4 loader read, which are the official names of the Hub release (`layers.N.attn.wq_a."
+              "weight`); official: the same output, kept as a synonym.")
 @click.option("--shard-gb", type=float, default=4.0, show_default=True, help="Output shard size limit in GiB.")
 @click.option("--force", is_flag=True, help="Replace a non-empty destination (otherwise only an interrupted "
               "conversion of the same source is resumed).")
@@ -96,8 +98,9 @@ def generate(model, out, seed, overrides, shard_gb, force, as_json):
               help="Output shards converted at once, each in its own process.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def dequantize(src, dst, names, shard_gb, force, workers, as_json):
-    """Convert a released FP8/MXFP4 checkpoint in SRC to BF16 shards + index in DST (fp32 tensors such as
-    attn_sink, hc_* and ape stay fp32). Streams tensor by tensor; rerun the same command to resume."""
+    """Convert a released FP8/MXFP4 checkpoint in SRC to BF16 shards + index in DST under the official names,
+    which transformers' and SGLang's DeepSeek-V4 loaders read (fp32 tensors such as attn_sink, hc_* and ape stay
+    fp32). Streams tensor by tensor; rerun the same command to resume."""
     from dsv4.checkpoint import CheckpointError, default_workers, dequantize_checkpoint
 
     if not src.is_dir():
@@ -129,9 +132,10 @@ def dequantize(src, dst, names, shard_gb, force, workers, as_json):
 @ckpt.command("names")
 @click.option("--model", default="flash", show_default=True, help="Model preset: tiny, 4layer, flash, pro.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="ModelConfig override(s).")
-@click.option("--json", "as_json", is_flag=True, help="Print {official: hf} as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print {official name: HF-style alias} as JSON.")
 def names(model, overrides, as_json):
-    """Print the official -> HF tensor name map of the released layout (weights and scales)."""
+    """Print the tensor names of the released layout (weights and scales), which `dequantize` writes and
+    transformers and SGLang load, beside their HF-style aliases (read by this project's loaders, not written)."""
     from dsv4.checkpoint import name_map
 
     m = name_map(_model_config(model, overrides))
@@ -139,4 +143,4 @@ def names(model, overrides, as_json):
         click.echo(json.dumps(m, indent=1))
     else:
         from launcher.table import table
-        click.echo(table([("OFFICIAL", "HF"), *m.items()]))
+        click.echo(table([("OFFICIAL", "HF-STYLE ALIAS (read only)"), *m.items()]))

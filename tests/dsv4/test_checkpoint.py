@@ -31,8 +31,8 @@ def test_name_map_round_trips_on_full_flash():
     cfg = ModelConfig.preset("flash")
     names = ck.name_map(cfg)
     assert len(names) == 69187 and len(cfg.param_shapes()) == 35020
-    assert len(set(names.values())) == len(names)                      # HF names are unique
-    bad = [n for n, h in names.items() if ck.hf_to_official(h, cfg.n_layers) != n]
+    assert len(set(names.values())) == len(names)                      # aliases are unique
+    bad = [n for n, h in names.items() if ck.alias_to_official(h, cfg.n_layers) != n]
     assert not bad, bad[:5]
     assert names["layers.0.attn.wq_a.scale"] == "model.layers.0.self_attn.wq_a.weight_scale_inv"
     assert names["layers.0.ffn.gate.tid2eid"] == "model.layers.0.mlp.topk.tid2eid"
@@ -55,9 +55,9 @@ def test_flash_release_size():
 
 def test_unknown_names_raise():
     with pytest.raises(KeyError):
-        ck.official_to_hf("foo.bar", 43)
+        ck.official_to_alias("foo.bar", 43)
     with pytest.raises(KeyError):
-        ck.hf_to_official("model.foo", 43)
+        ck.alias_to_official("model.foo", 43)
 
 
 # ------------------------------------------------------------------------------------------- generator
@@ -116,7 +116,7 @@ def test_dequantized_model_is_exactly_the_release_rounding(bf16):
     assert all(torch.equal(a[n], b[n]) for n in b), [n for n in b if not torch.equal(a[n], b[n])][:5]
     header = ck.read_header(next(bf16.glob("model-00001-*")))[0]
     assert all(h["dtype"] in ("BF16", "F32", "I32") for h in header.values())
-    assert any(n.startswith("model.layers.") for n in header)               # HF names by default
+    assert "layers.0.attn.wq_a.weight" in header and not any(n.startswith("model.") for n in header)  # official
 
 
 def test_logits_within_quantization_budget(bf16):
@@ -150,10 +150,11 @@ def test_load_released_layout_directly(generated, bf16):
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_official_names_output(generated, tmp_path):
-    ck.dequantize_checkpoint(generated, tmp_path / "off", names="official")
-    header = ck.read_header(next((tmp_path / "off").glob("model-*")))[0]
-    assert "embed.weight" in header or any(n.startswith("layers.") for n in header)
+def test_official_names_output_is_the_hf_output(generated, bf16, tmp_path):
+    ck.dequantize_checkpoint(generated, tmp_path / "off", names="official", shard_bytes=900_000)
+    for f in bf16.glob("model-*.safetensors"):                               # `--names official` is a synonym
+        assert (tmp_path / "off" / f.name).read_bytes() == f.read_bytes()
+    assert (tmp_path / "off" / ck.INDEX).read_text() == (bf16 / ck.INDEX).read_text()
     cfg = json.loads((tmp_path / "off" / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["torch_dtype"] == "bfloat16"
 
@@ -252,7 +253,7 @@ def test_mtp_copies_of_shared_embedding_pass_through(generated, tmp_path):
     s = ck.dequantize_checkpoint(src, tmp_path / "out")
     assert s.n_tensors == len(TINY.param_shapes()) + 1
     out_index = json.loads((tmp_path / "out" / ck.INDEX).read_text())["weight_map"]
-    assert "model.layers.4.emb.tok_emb.weight" in out_index
+    assert "mtp.0.emb.tok_emb.weight" in out_index
     assert ck.load_model_from_bf16(tmp_path / "out", dtype="fp32") is not None     # the model ignores the copy
 
 
@@ -274,17 +275,18 @@ def test_a_truncated_shard_or_a_broken_config_is_named_before_anything_is_writte
     assert not (tmp_path / "out").exists()
 
 
-def test_transformers_loads_the_official_names_with_nothing_missing_or_unexpected(tmp_path):
+def test_transformers_loads_the_hf_names_with_nothing_missing_or_unexpected(tmp_path):
     """HF transformers' own DeepSeek-V4 model (5.x) loads the Hub layout, whose tensor names are the official ones
-    (it renames and fuses them on load): `--names official` output, from_pretrained, every key accounted for.
-    Its config knows compression ratios 4 and 128 only, hence the tiny model with 128 in place of 16."""
+    (it renames and fuses them on load): `--names hf` output (the default), from_pretrained, every key accounted
+    for, none mismatched. Its config knows compression ratios 4 and 128 only, hence the tiny model with 128 in
+    place of 16."""
     pytest.importorskip("transformers.models.deepseek_v4")
     import warnings
 
     from transformers import AutoModelForCausalLM
     cfg = ModelConfig.preset("tiny", compress_ratios=[0, 4, 128, 4, 0])
     ck.generate_checkpoint(cfg, tmp_path / "released")
-    ck.dequantize_checkpoint(tmp_path / "released", tmp_path / "bf16", names="official")
+    ck.dequantize_checkpoint(tmp_path / "released", tmp_path / "bf16", names="hf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), output_loading_info=True)

@@ -11,7 +11,7 @@ import torch
 
 from dsv4 import quant
 from dsv4.megatron.launch import free_port
-from dsv4.checkpoint import generate_checkpoint, official_to_hf
+from dsv4.checkpoint import generate_checkpoint, official_to_alias
 from dsv4.config import ModelConfig
 from dsv4.model import Transformer
 from dsv4.rl import decode, sync
@@ -123,8 +123,8 @@ def test_update_from_tensor_official_hf_and_fp8_names():
     name = "layers.1.attn.wq_a.weight"
     q, s = quant.weight_quant_fp8(sd[name].detach())
     named = [(n, t.detach()) for n, t in sd.items() if n != name and not n.startswith("layers.2.")]
-    named += [(official_to_hf(n, 4), t.detach()) for n, t in sd.items() if n.startswith("layers.2.")]
-    named += [(official_to_hf(name, 4), q), (official_to_hf(name, 4).replace("weight", "weight_scale_inv"), s)]
+    named += [(official_to_alias(n, 4), t.detach()) for n, t in sd.items() if n.startswith("layers.2.")]
+    named += [(official_to_alias(name, 4), q), (official_to_alias(name, 4).replace("weight", "weight_scale_inv"), s)]
     res = eng.update_weights_from_tensor(named, weight_version="3")
     assert res["success"], res["message"]
     got = dict(eng.model.named_parameters())
