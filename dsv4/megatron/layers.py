@@ -104,21 +104,22 @@ def gated(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, limit: float, dtype
     return (w * ref.swiglu(a.float(), b.float(), limit)).to(dtype)
 
 
+# region -> (its eager form, the cfg.compiled group that compiles it)
+_REGIONS = {"hc": (EAGER_HC, "hc"), "q_heads": (q_heads, "attn"), "unrope": (unrope, "attn"), "gated": (gated, "moe")}
+
+
 @lru_cache(maxsize=None)
-def _compiled(region: str):
-    if region == "hc":
-        return HCFunctions(*(torch.compile(f, dynamic=False) for f in EAGER_HC))
-    return {"q_heads": torch.compile(q_heads, dynamic=False), "unrope": torch.compile(unrope, dynamic=False),
-            "gated": torch.compile(gated, dynamic=False)}[region]
+def _compiled(name: str):
+    eager = _REGIONS[name][0]
+    if name == "hc":
+        return HCFunctions(*(torch.compile(f, dynamic=False) for f in eager))
+    return torch.compile(eager, dynamic=False)
 
 
 def region(cfg: ModelConfig, name: str, x: torch.Tensor):
-    """The compiled region `name` where cfg.compiled asks for it (`name`'s group: hc, attn, moe) and x is on CUDA,
-    else its eager form."""
-    group = {"q_heads": "attn", "unrope": "attn", "gated": "moe"}.get(name, name)
-    if group in cfg.compiled_regions and x.is_cuda:
-        return _compiled(name)
-    return {"hc": EAGER_HC, "q_heads": q_heads, "unrope": unrope, "gated": gated}[name]
+    """Region `name`, compiled where cfg.compiled names its group and x is on CUDA, else its eager form."""
+    eager, group = _REGIONS[name]
+    return _compiled(name) if group in cfg.compiled_regions and x.is_cuda else eager
 
 
 # ================================================================================================ embedding

@@ -244,7 +244,6 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
     trainer's own config, so every variant runs in one process on the same data; each row's loss is taken on
     one fixed batch with the starting weights before anything trains, so the losses differ only by numerics."""
     import statistics
-    import time
 
     from dsv4.config import RUNTIME_SWITCHES
     from dsv4.flops import train_flops_per_token

@@ -28,8 +28,8 @@ it replays for every position (`GraphedStep`):
 
 On a GPU the engine's step is faster than these functions run op by op, without other math:
 * `Prepared` holds forms of the weights the step reads instead of the parameters: the fp32 head as two bf16
-  halves (three tensor-core GEMMs, fp32-grade: dsv4/kernels/split_gemm.py) and each layer's routed experts
-  stacked for two batched GEMMs; the engine refreshes them in place after every weight update;
+  halves (two tensor-core GEMMs on the exact bf16 input, fp32-grade: dsv4/kernels/split_gemm.py) and each
+  layer's routed experts stacked for two batched GEMMs; the engine refreshes them in place after every update;
 * the step's pure-torch parts are three kinds of regions around the attention kernel (`before_attention`,
   `after_attention`, `head_input`), which `GraphedStep` runs through torch.compile: inductor fuses the norms,
   rotations, routing and the MoE's elementwise work, and the Sinkhorn iterations run as one kernel

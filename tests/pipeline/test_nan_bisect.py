@@ -128,8 +128,12 @@ def test_the_one_process_rung_cuts_the_model_that_outgrows_a_device(work):
 
 @pytest.mark.slow
 def test_a_poisoned_sample_is_named_and_reproduces_alone(work):
-    """The fault fires only on rows holding one token: the ladder finds the row, removing it cures, alone it fails."""
-    clean = planted_run(work, "layers.1.attn:3@fp8", "PRESET_MODEL_OVERRIDES=fp8_gemm_inputs=1")
+    """The fault fires only on rows holding one token: the ladder finds the row, removing it cures, alone it fails.
+    The token comes from the step's batch, which any smoke run of this module rebuilds (the same data and seed): an
+    earlier test's run, or one made here."""
+    earlier = sorted((work / "runs").glob("stageA-*/steps/train/nan_capture.json")) if (work / "runs").is_dir() else []
+    clean = earlier[0].parents[2] if earlier else planted_run(work, "layers.1.attn:3@fp8",
+                                                             "PRESET_MODEL_OVERRIDES=fp8_gemm_inputs=1")
     token, row = _token_in_one_row(clean)
     run = planted_run(work, f"layers.1.attn:3@token={token}")
     r, report = bisect(work, run)
