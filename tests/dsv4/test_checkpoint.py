@@ -13,13 +13,6 @@ TINY = ModelConfig.preset("tiny")
 
 
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gen") / "tiny"
-    ck.generate_checkpoint(TINY, d, shard_bytes=600_000)
-    return d
-
-
-@pytest.fixture(scope="module")
 def bf16(generated, tmp_path_factory):
     d = tmp_path_factory.mktemp("bf16") / "tiny-bf16"
     ck.dequantize_checkpoint(generated, d, shard_bytes=900_000)

@@ -20,15 +20,8 @@ TINY = ModelConfig.preset("tiny")
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory):
-    d = tmp_path_factory.mktemp("names") / "released"
-    ck.generate_checkpoint(TINY, d, shard_bytes=600_000)
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference(released):
-    return ck.load_state_dict(released)
+def reference(generated):
+    return ck.load_state_dict(generated)
 
 
 def _as_aliases(src, dst):
@@ -46,11 +39,11 @@ def _as_aliases(src, dst):
 
 
 @pytest.fixture(scope="module", params=["hf", "official", "older aliases"])
-def written(request, released, tmp_path_factory):
+def written(request, generated, tmp_path_factory):
     """(naming the readers must detect, directory) for each `--names` value, and for alias-named older output."""
     d = tmp_path_factory.mktemp("bf16")
     names = "hf" if request.param == "older aliases" else request.param
-    r = CliRunner().invoke(ckpt, ["dequantize", str(released), str(d / "out"), "--names", names, "--shard-gb",
+    r = CliRunner().invoke(ckpt, ["dequantize", str(generated), str(d / "out"), "--names", names, "--shard-gb",
                                   str(900_000 / (1 << 30)), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["names"] == names
@@ -59,13 +52,13 @@ def written(request, released, tmp_path_factory):
     return ck.OFFICIAL, d / "out"
 
 
-def test_dequantize_writes_the_official_names_for_either_value(written, released):
+def test_dequantize_writes_the_official_names_for_either_value(written, generated):
     naming, d = written
     keys = json.loads((d / ck.INDEX).read_text())["weight_map"]
     assert ck.detect_naming(keys) == naming
     if naming == ck.OFFICIAL:        # exactly the release's parameter names, no scales
         assert set(keys) == set(TINY.param_shapes())
-        assert set(keys) <= set(json.loads((released / ck.INDEX).read_text())["weight_map"])
+        assert set(keys) <= set(json.loads((generated / ck.INDEX).read_text())["weight_map"])
 
 
 def test_the_load_path_reads_each_naming(written, reference):
@@ -104,10 +97,10 @@ def test_detect_naming():
         ck.detect_naming(["model.norm.weight", "head.weight"], "d")
 
 
-def test_a_checkpoint_mixing_namings_is_refused(released, tmp_path):
+def test_a_checkpoint_mixing_namings_is_refused(generated, tmp_path):
     mixed = tmp_path / "mixed"
     mixed.mkdir()
-    for f in released.iterdir():
+    for f in generated.iterdir():
         if f.is_file():
             (mixed / f.name).write_bytes(f.read_bytes())
     extra = mixed / "model-extra.safetensors"
@@ -121,11 +114,11 @@ def test_a_checkpoint_mixing_namings_is_refused(released, tmp_path):
             read(mixed)
 
 
-def test_a_bad_names_value_is_refused(released, tmp_path):
+def test_a_bad_names_value_is_refused(generated, tmp_path):
     with pytest.raises(ValueError, match=r"names='sglang': use 'hf' or 'official'"):
-        ck.dequantize_checkpoint(released, tmp_path / "x", names="sglang")
+        ck.dequantize_checkpoint(generated, tmp_path / "x", names="sglang")
     assert not (tmp_path / "x").exists()
-    r = CliRunner().invoke(ckpt, ["dequantize", str(released), str(tmp_path / "y"), "--names", "aliases"])
+    r = CliRunner().invoke(ckpt, ["dequantize", str(generated), str(tmp_path / "y"), "--names", "aliases"])
     assert r.exit_code == 2 and "Invalid value for '--names'" in r.output and "'hf', 'official'" in r.output
     assert not (tmp_path / "y").exists()
 
