@@ -12,12 +12,12 @@ the split) is ~2^-16 of each product, against 2^-8 for one bf16 GEMM and 2^-11 f
 fp32 as before. tests/kernels/test_split_gemm_gpu.py measures the error against an fp64 product beside the
 fp32 GEMM's own.
 
-An operand that is already bf16 (the head's input: the final norm's bf16 output; the hyper-connections' bf16
-streams) is exact, so its lo half is zero and the GEMMs by it are skipped: two GEMMs, same result.
+An input that is already bf16 (the head's: the final norm's bf16 output) is exact, so its lo half is zero and
+the GEMM by it is skipped: two GEMMs, same result.
 
-The backward can split too (`split_backward`, head_gemm "bf16x3": six GEMMs) or run one bf16 GEMM per
-gradient (head_gemm "bf16x3_fwd": two), which rounds the logits' gradient to bf16 as every other layer's
-gradient is: the logits themselves, which RL's log-probabilities read, stay split.
+The backward can split too (`split_backward`, head_gemm "bf16x3": five GEMMs for a bf16 input) or run one bf16
+GEMM per gradient (head_gemm "bf16x3_fwd": two), which rounds the logits' gradient to bf16 as every other
+layer's gradient is: the logits themselves, which RL's log-probabilities read, stay split.
 
 CUDA only: `mm`'s `out_dtype` has no CPU kernel, and on a CPU the fp32 GEMM is what runs anyway
 (`linear` falls back to F.linear there, so CPU results stay exact).
@@ -66,12 +66,7 @@ def mm3(a_hi, a_lo, b_hi, b_lo, acc: torch.Tensor | None = None) -> torch.Tensor
 
 
 def _xw(x: torch.Tensor, wh: torch.Tensor, wl: torch.Tensor) -> torch.Tensor:
-    """x @ (wh + wl)^T for x already exact in bf16 (its lo half is zero): two GEMMs, or for a narrow w [N, K]
-    one on the stacked halves (x, the large operand, read once)."""
-    N = wh.shape[0]
-    if N <= _STACK_ROWS:
-        y = _mm(x, torch.cat([wh, wl]).t())
-        return y[:, :N] + y[:, N:]
+    """x @ (wh + wl)^T for x [M, K] already exact in bf16 (its lo half is zero): two GEMMs."""
     return _mm(x, wl.t(), _mm(x, wh.t()))
 
 
@@ -151,7 +146,7 @@ class SplitWeight:
         """x [..., K] (fp32, or bf16: exact) -> fp32 [..., N]; CUDA only."""
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.dtype == torch.bfloat16:
-            y = _mm(x2d, self.lo.t(), _mm(x2d, self.hi.t()))
+            y = _xw(x2d, self.hi, self.lo)
         else:
             y = mm3(*split(x2d.float()), self.hi.t(), self.lo.t())
         return y.view(*x.shape[:-1], self.w.shape[0])

@@ -70,9 +70,9 @@ def test_backward_within_fp32_grade():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("N", [24, 8192], ids=["narrow-w (hc mixes)", "wide-w (head)"])
+@pytest.mark.parametrize("N", [24, 8192], ids=["narrow-w", "wide-w"])
 def test_bf16_input_is_exact_and_skips_its_lo_half(N):
-    """A bf16 x (the head's normed input, the hc streams) is exact: two GEMMs give the fp32-grade product; the
+    """A bf16 x (the head's normed input) is exact: two GEMMs give the fp32-grade product; the
     backward either splits (fp32-grade gradients) or runs one bf16 GEMM per gradient (bf16-grade)."""
     x, w = _case(3000, 1024, N, seed=2)
     x = x.bfloat16()
