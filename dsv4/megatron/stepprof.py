@@ -197,10 +197,10 @@ def kernel_table(kernels: list[Kernel]) -> str:
 def compare_table(rows: list) -> str:
     """The profiled steps of several variants side by side: ms by part, one column per variant (numbered as the
     rows above it), the last variant's share."""
-    lines = [f"{'part':<22} " + " ".join(f"{'(' + str(i + 1) + ') ms':>10}" for i in range(len(rows)))
-             + f" {'share':>7}"]
+    numbered = [(i + 1, r) for i, r in enumerate(rows) if r.parts]
+    rows = [r for _, r in numbered]
+    lines = [f"{'part':<22} " + " ".join(f"{'(' + str(i) + ') ms':>10}" for i, _ in numbered) + f" {'share':>7}"]
     by_row = [{p.name: p for p in r.parts} for r in rows]
-    rows = [r for r in rows if r.parts]
     order = [p.name for p in sorted(rows[-1].parts, key=lambda p: (p.name == "idle", -p.ms))]
     order += [n for n in PARTS if n not in order and any(n in b for b in by_row)]
     for name in order:
