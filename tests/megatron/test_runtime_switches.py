@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import model as ref
 from dsv4.config import RUNTIME_SWITCHES, ModelConfig
 from dsv4.megatron.layers import EAGER_HC, ParallelMoE, _compiled, gated, q_heads, region, unrope
 from dsv4.megatron.parallel import Ranks
