@@ -257,7 +257,7 @@ def route(logits: torch.Tensor, score_func: str, topk: int, route_scale: float,
 def head_linear(x: torch.Tensor, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """The fp32 head GEMM, as cfg.head_gemm says (on CUDA; F.linear in fp32 on a CPU). x: the final norm's output,
     passed in its dtype (bf16 values are exact: the split GEMM skips their lo half)."""
-    if cfg.head_gemm in ("bf16x3", "bf16x3_fwd"):
+    if cfg.head_gemm != "fp32":
         return split_gemm.linear(x, w, split_backward=cfg.head_gemm == "bf16x3")
     return F.linear(x.float(), w.float())
 
@@ -267,6 +267,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return F.silu(gate) * up
+
+
+def gated(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor | None, limit: float, dtype: torch.dtype) -> torch.Tensor:
+    """An expert's activation from its w1 and w3 outputs: w * swiglu(a, b) in fp32 (w: the routing weight, which
+    scales the activation before w2; None for the shared expert), cast to the GEMM dtype of w2."""
+    h = swiglu(a.float(), b.float(), limit)
+    return (h if w is None else w * h).to(dtype)
 
 
 # =============================================================================================== modules
@@ -476,10 +483,7 @@ class Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        h = swiglu(self.w1(x).float(), self.w3(x).float(), self.swiglu_limit)
-        if weights is not None:
-            h = weights * h                    # the routing weight scales the activation, before w2
-        return self.w2(h.to(x.dtype))
+        return self.w2(gated(self.w1(x), self.w3(x), weights, self.swiglu_limit, x.dtype))
 
 
 class MoE(nn.Module):

@@ -99,13 +99,9 @@ def unrope(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return ref.rope_tail(o, cos, sin, inverse=True)
 
 
-def gated(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
-    """The routed experts' activation: w * swiglu(a, b) in fp32, to the GEMM dtype (as Expert.forward)."""
-    return (w * ref.swiglu(a.float(), b.float(), limit)).to(dtype)
-
-
 # region -> (its eager form, the cfg.compiled group that compiles it)
-_REGIONS = {"hc": (EAGER_HC, "hc"), "q_heads": (q_heads, "attn"), "unrope": (unrope, "attn"), "gated": (gated, "moe")}
+_REGIONS = {"hc": (EAGER_HC, "hc"), "q_heads": (q_heads, "attn"), "unrope": (unrope, "attn"),
+            "gated": (ref.gated, "moe")}
 
 
 @lru_cache(maxsize=None)

@@ -134,28 +134,30 @@ def _attributor(cpu: list) -> Callable:
     return part_of
 
 
-def _kernels(events) -> tuple[list, list[tuple[object, str]]]:
-    """(the CPU ops, [(kernel, part)]) of one profiled step."""
-    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    part_of = _attributor(cpu)
-    return cpu, [(k, "communication" if _is_comm(k.name) else part_of(e)) for e in cpu for k in e.kernels]
+def _cpu_ops(events) -> list:
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+
+
+def _kernels(cpu: list, part_of: Callable) -> list[tuple[object, str]]:
+    """[(kernel, part)] of one profiled step's CPU ops."""
+    return [(k, "communication" if _is_comm(k.name) else part_of(e)) for e in cpu for k in e.kernels]
 
 
 def breakdown(events, wall_s: float) -> list[Part]:
     """Parts of one step from the profiler's function events (`prof.events()`) and the step's wall time."""
     events = list(events)
-    cpu, kernels = _kernels(events)
+    cpu = _cpu_ops(events)
+    part_of = _attributor(cpu)
     us = dict.fromkeys(PARTS, 0.0)
     count = dict.fromkeys(PARTS, 0)
     kernel_spans = [(e.time_range.start, e.time_range.end) for e in events
                     if e.device_type != torch.autograd.DeviceType.CPU]
     if kernel_spans:
-        for k, part in kernels:
+        for k, part in _kernels(cpu, part_of):
             us[part] += k.duration
             count[part] += 1
         busy = _union_us(kernel_spans)
     else:   # CPU: each op's own time
-        part_of = _attributor(cpu)
         for e in cpu:
             if e.name.startswith(_SCOPE) or e.name.startswith(_BACKWARD):
                 continue
@@ -178,7 +180,8 @@ class Kernel:
 def top_kernels(events, n: int) -> list[Kernel]:
     """The n kernels (by name and part) with the most device time in the step: the next lever by name."""
     total: dict[tuple[str, str], list] = {}
-    for k, part in _kernels(list(events))[1]:
+    cpu = _cpu_ops(events)
+    for k, part in _kernels(cpu, _attributor(cpu)):
         t = total.setdefault((k.name, part), [0.0, 0])
         t[0] += k.duration
         t[1] += 1

@@ -59,9 +59,9 @@ import torch
 from dsv4 import quant
 from dsv4.kernels import reference as kref
 from dsv4.kernels import sparse_attn, split_gemm, triton_sinkhorn
-from dsv4.model import (MoE, Attention, Block, Compressor, Transformer, _kv_fp8_qat, compress, grouped_output,
-                        hadamard, hc_head, hc_post, head_linear, rms_norm, rope_cos_sin, rope_tail,
-                        sinkhorn, swiglu)
+from dsv4.model import (MoE, Attention, Block, Compressor, Transformer, _kv_fp8_qat, compress, gated,
+                        grouped_output, hadamard, hc_head, hc_post, head_linear, rms_norm, rope_cos_sin, rope_tail,
+                        sinkhorn)
 
 
 class PoolState:
@@ -229,8 +229,8 @@ class ExpertStack:
         the activation scaled then cast before w2); the sum over experts runs in fp32."""
         h = torch.matmul(x, self.w13.transpose(1, 2)).float()              # [E, T, 2*inter]
         g, u = h.chunk(2, dim=-1)
-        a = swiglu(g, u, limit) * dense.t().unsqueeze(-1)
-        return torch.matmul(a.to(x.dtype), self.w2.transpose(1, 2)).float().sum(0)
+        a = gated(g, u, dense.t().unsqueeze(-1), limit, x.dtype)
+        return torch.matmul(a, self.w2.transpose(1, 2)).float().sum(0)
 
 
 def moe(ffn: MoE, x: torch.Tensor, input_ids: torch.Tensor,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dsv4.config import RUNTIME_SWITCHES, ModelConfig
-from dsv4.megatron.layers import EAGER_HC, ParallelMoE, _compiled, gated, q_heads, region, unrope
+from dsv4.model import gated
+from dsv4.megatron.layers import EAGER_HC, ParallelMoE, _compiled, q_heads, region, unrope
 from dsv4.megatron.parallel import Ranks
 
 ONE = Ranks(world=1, rank=0, tp=1, tp_rank=0, pp=1, pp_rank=0, dp=1, dp_rank=0, ep=1, ep_rank=0, etp=1,
