@@ -19,8 +19,8 @@ __all__ = ["ModelConfig", "PRESETS", "RUNTIME_SWITCHES", "parse_overrides"]
 
 # fields that choose only how the same math runs (kernels, precision of a GEMM's partial products, compilation):
 # `v4 bench step --compare` switches them on one trainer
-RUNTIME_SWITCHES = ("attn_impl", "head_gemm", "moe_impl", "compiled")
-COMPILED_REGIONS = ("hc", "attn", "moe")
+RUNTIME_SWITCHES = ("attn_impl", "fp32_gemm", "moe_impl", "compiled")
+COMPILED_REGIONS = ("hc", "attn", "moe", "norm")
 
 
 @dataclass
@@ -80,15 +80,15 @@ class ModelConfig:
     # same 128x128 ue8m0 quant-dequant in the forward, so the trainer scores the weights the rollout samples with
     qat_rollout_fp8: bool = False
     shared_expert_clamp: bool = True     # official clamps the shared expert's SwiGLU too; MILES training does not
-    # the fp32 head GEMM on CUDA: "bf16x3" = three bf16 tensor-core GEMMs on split operands (~2^-16 per product,
-    # dsv4/kernels/split_gemm.py), forward and backward; "bf16x3_fwd" = the forward so, the backward's two GEMMs
-    # one bf16 GEMM each (the gradient at bf16 precision, as every other layer's); "fp32" = one fp32 GEMM on the
-    # CUDA cores. A CPU always runs the fp32 GEMM.
-    head_gemm: str = "bf16x3_fwd"
+    # the fp32-weight GEMMs on CUDA (the LM head; the compressors' kv and gate projections): "bf16x3" = three bf16
+    # tensor-core GEMMs on split operands (~2^-16 per product, dsv4/kernels/split_gemm.py), forward and backward;
+    # "bf16x3_fwd" = the forward so, the backward's two GEMMs one bf16 GEMM each (the gradient at bf16 precision, as
+    # every other layer's); "fp32" = one fp32 GEMM on the CUDA cores. A CPU always runs the fp32 GEMM.
+    fp32_gemm: str = "bf16x3_fwd"
     # training's regions through torch.compile on CUDA, "+"-separated (or "none"): "hc" = the hyper-connections (the
     # Sinkhorn iterations forward and backward in a few kernels), "attn" = the attention's per-head q norm and
-    # rotations, "moe" = the routed experts' gated activation (moe_impl grouped)
-    compiled: str = "hc+attn+moe"
+    # rotations, "moe" = the routed experts' gated activation (moe_impl grouped), "norm" = the RMSNorms
+    compiled: str = "hc+attn+moe+norm"
     # the routed experts in training (EP = 1) on CUDA: "grouped" = one grouped GEMM (torch._grouped_mm) per weight
     # over all experts; "loop" = one GEMM per expert, as the reference (and a CPU) runs them
     moe_impl: str = "grouped"
@@ -148,8 +148,8 @@ class ModelConfig:
             errs.append(f"dtype={self.dtype!r}: one of bf16, fp32")
         if self.attn_impl not in ("torch", "tilelang"):
             errs.append(f"attn_impl={self.attn_impl!r}: one of torch, tilelang")
-        if self.head_gemm not in ("fp32", "bf16x3", "bf16x3_fwd"):
-            errs.append(f"head_gemm={self.head_gemm!r}: one of fp32, bf16x3, bf16x3_fwd")
+        if self.fp32_gemm not in ("fp32", "bf16x3", "bf16x3_fwd"):
+            errs.append(f"fp32_gemm={self.fp32_gemm!r}: one of fp32, bf16x3, bf16x3_fwd")
         if self.moe_impl not in ("loop", "grouped"):
             errs.append(f"moe_impl={self.moe_impl!r}: one of loop, grouped")
         if not set(self.compiled_regions) <= set(COMPILED_REGIONS):

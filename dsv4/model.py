@@ -143,9 +143,11 @@ def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int
     return pre, post, sinkhorn(comb, iters, eps)
 
 
-def hc_pre(X, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float, sinkhorn=sinkhorn):
-    """-> (x [B,S,d] in X.dtype = sum_j pre_j X_j, post [B,S,hc], comb [B,S,hc,hc])."""
-    pre, post, comb = hc_split(hc_mixes(X, fn, norm_eps), scale, base, hc, iters, hc_eps, sinkhorn)
+def hc_pre(X, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float, sinkhorn=sinkhorn,
+           mixes=hc_mixes):
+    """-> (x [B,S,d] in X.dtype = sum_j pre_j X_j, post [B,S,hc], comb [B,S,hc,hc]). `sinkhorn`, `mixes`: stand-ins
+    for the reference functions (fused or fusable forms of the same math)."""
+    pre, post, comb = hc_split(mixes(X, fn, norm_eps), scale, base, hc, iters, hc_eps, sinkhorn)
     x = (pre.unsqueeze(-1) * X.float()).sum(2)
     return x.to(X.dtype), post, comb
 
@@ -156,9 +158,9 @@ def hc_post(f: torch.Tensor, R: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return (post.unsqueeze(-1) * f.float().unsqueeze(2) + mixed).to(f.dtype)
 
 
-def hc_head(X, fn, scale, base, hc_eps: float, norm_eps: float) -> torch.Tensor:
+def hc_head(X, fn, scale, base, hc_eps: float, norm_eps: float, mixes=hc_mixes) -> torch.Tensor:
     """Contract the hc streams to one: sum_j (sigmoid(mix_j * scale + base_j) + eps) X_j (weights not normalised)."""
-    pre = torch.sigmoid(hc_mixes(X, fn, norm_eps) * scale.float() + base.float()) + hc_eps
+    pre = torch.sigmoid(mixes(X, fn, norm_eps) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * X.float()).sum(2).to(X.dtype)
 
 
@@ -254,11 +256,11 @@ def route(logits: torch.Tensor, score_func: str, topk: int, route_scale: float,
     return w * route_scale, idx
 
 
-def head_linear(x: torch.Tensor, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The fp32 head GEMM, as cfg.head_gemm says (on CUDA; F.linear in fp32 on a CPU). x: the final norm's output,
-    passed in its dtype (bf16 values are exact: the split GEMM skips their lo half)."""
-    if cfg.head_gemm != "fp32":
-        return split_gemm.linear(x, w, split_backward=cfg.head_gemm == "bf16x3")
+def fp32_linear(x: torch.Tensor, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """x @ w^T for an fp32 weight (the head, a compressor's projections) -> fp32, as cfg.fp32_gemm says on CUDA (F.linear
+    in fp32 on a CPU). Pass x in its own dtype: bf16 values are exact, so the split GEMM skips their lo half."""
+    if cfg.fp32_gemm != "fp32":
+        return split_gemm.linear(x, w, split_backward=cfg.fp32_gemm == "bf16x3")
     return F.linear(x.float(), w.float())
 
 
@@ -328,9 +330,13 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
         n = S // self.ratio                       # the trailing S % ratio tokens form no entry yet
-        xf = x[:, :n * self.ratio].float()
-        c = compress(self.wkv(xf), self.wgate(xf), self.ape, self.ratio, self.head_dim)
+        xs = x[:, :n * self.ratio]
+        c = compress(self.project(xs, self.wkv), self.project(xs, self.wgate), self.ape, self.ratio, self.head_dim)
         return self.finish(c, torch.arange(n, device=x.device) * self.ratio, freqs, x.dtype)
+
+    def project(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
+        """fp32 [..., coff*d] from the activations x in their dtype (the GEMM is fp32: fp32_linear)."""
+        return fp32_linear(x, lin.qat_weight_value(), self.cfg)
 
     def finish(self, c: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
         """Pooled entries [B, n, d] -> keys: norm, RoPE at each entry's first token (entry i sits at i*ratio),
@@ -590,7 +596,7 @@ class Transformer(nn.Module):
 
     def head_logits(self, X, fn, scale, base, norm: RMSNorm) -> torch.Tensor:
         y = hc_head(X, fn, scale, base, self.cfg.hc_eps, self.cfg.norm_eps)
-        return head_linear(norm(y), self.head.weight, self.cfg)
+        return fp32_linear(norm(y), self.head.weight, self.cfg)
 
     def forward(self, input_ids: torch.Tensor, indexer_loss: bool = False) -> ModelOutput:
         cfg = self.cfg

@@ -13,10 +13,11 @@ fp32 as before. tests/kernels/test_split_gemm_gpu.py measures the error against 
 fp32 GEMM's own.
 
 An input that is already bf16 (the head's: the final norm's bf16 output) is exact, so its lo half is zero and
-the GEMM by it is skipped: two GEMMs, same result.
+the GEMM by it is skipped: two GEMMs, same result. The compressors' kv and gate projections are fp32 weights on
+bf16 activations as well (ModelConfig.fp32_gemm covers both: dsv4.model.fp32_linear).
 
-The backward can split too (`split_backward`, head_gemm "bf16x3": five GEMMs for a bf16 input) or run one bf16
-GEMM per gradient (head_gemm "bf16x3_fwd": two), which rounds the logits' gradient to bf16 as every other
+The backward can split too (`split_backward`, fp32_gemm "bf16x3": five GEMMs for a bf16 input) or run one bf16
+GEMM per gradient (fp32_gemm "bf16x3_fwd": two), which rounds the logits' gradient to bf16 as every other
 layer's gradient is: the logits themselves, which RL's log-probabilities read, stay split.
 
 CUDA only: `mm`'s `out_dtype` has no CPU kernel, and on a CPU the fp32 GEMM is what runs anyway

@@ -84,8 +84,8 @@ def chunk_entries(comp: ref.Compressor, ext: torch.Tensor, ext_start: int, g: in
     if hi <= lo:
         return ext.new_zeros(ext.shape[0], 0, comp.head_dim, dtype=dtype)
     first = max(lo - 1, 0) if m == 4 else lo       # overlap: the block before the first one is read too
-    xf = ext[:, first * m - ext_start:hi * m - ext_start].float()
-    c = ref.compress(comp.wkv(xf), comp.wgate(xf), comp.ape, m, comp.head_dim)
+    xs = ext[:, first * m - ext_start:hi * m - ext_start]
+    c = ref.compress(comp.project(xs, comp.wkv), comp.project(xs, comp.wgate), comp.ape, m, comp.head_dim)
     if first < lo:
         c = c[:, 1:]                               # its own previous half was the block-0 fill, not real
     return comp.finish(c, torch.arange(lo, hi, device=ext.device) * m, freqs, dtype)

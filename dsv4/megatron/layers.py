@@ -13,7 +13,7 @@ _forward_cp, cp_attention.py): every other layer is per token and runs on the ra
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable, NamedTuple
 
 import torch
@@ -50,12 +50,23 @@ def row_linear(in_features: int, out_features: int, dtype, tp: int) -> ref.Linea
     return lin
 
 
-class SPRMSNorm(ref.RMSNorm):
-    """The reference RMSNorm on a sequence shard: per-token math is unchanged, the weight's gradient
-    is a partial sum over this rank's positions, so it is marked for the TP sum."""
+class Norm(ref.RMSNorm):
+    """The reference RMSNorm, compiled where cfg.compiled names "norm"."""
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__(dim, eps)
+    def __init__(self, cfg: ModelConfig, dim: int):
+        super().__init__(dim, cfg.norm_eps)
+        self.cfg = cfg
+
+    def forward(self, x):
+        return region(self.cfg, "norm", x)(x, self.weight, self.eps)
+
+
+class SPRMSNorm(Norm):
+    """The norm on a sequence shard: per-token math is unchanged, the weight's gradient is a partial sum over
+    this rank's positions, so it is marked for the TP sum."""
+
+    def __init__(self, cfg: ModelConfig, dim: int):
+        super().__init__(cfg, dim)
         mark_replicated(self.weight)
 
 
@@ -80,14 +91,38 @@ class AttachAuxLoss(torch.autograd.Function):
 # Regions of the layers that cfg.compiled sends through torch.compile (inductor) on CUDA. Eagerly each is a chain
 # of elementwise ops and small reductions, one kernel (and for big tensors one memory round trip) per op, forward
 # and backward; compiled, a few fused kernels. Each is a function of tensors (parameters are arguments), so one
-# graph serves every layer.
+# graph serves every layer. A region may compile a form of its math written for inductor (same math, fp32 sums in
+# another order) where the eager form's op is one that inductor leaves to a poorly shaped library kernel.
 class HCFunctions(NamedTuple):
     pre: Callable
     post: Callable
     head: Callable
 
 
+def hc_mixes_split(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """ref.hc_mixes with its GEMM split along K = hc*dim into chunks of <= 1024, one batched GEMM plus a sum. The
+    GEMM has only (2+hc)*hc = 24 columns: unsplit, cuBLAS tiles it into as many blocks as there are 32-token row
+    tiles and each block walks all of K (a few % of the GPU's bandwidth, ~60 ms of the H200 smoke's step)."""
+    B, S, hc, d = X.shape
+    K, M = hc * d, fn.shape[0]
+    s = hc * (d // 1024) if d % 1024 == 0 else hc
+    xf = X.flatten(2).float()
+    raw = torch.bmm(xf.view(B * S, s, K // s).transpose(0, 1), fn.float().view(M, s, K // s).permute(1, 2, 0))
+    return raw.sum(0).view(B, S, M) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)
+
+
+def hc_post_unrolled(f: torch.Tensor, R: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """ref.hc_post with C^T R as hc broadcast multiply-adds, which inductor fuses into the output's one kernel (the
+    einsum is a batched GEMM of [hc, hc] by [hc, dim] for every token: cuBLAS's small-matrix kernels)."""
+    out = post.unsqueeze(-1) * f.float().unsqueeze(2)
+    for j in range(R.shape[2]):
+        out = out + comb[..., j, :].unsqueeze(-1) * R[..., j, :].float().unsqueeze(2)
+    return out.to(f.dtype)
+
+
 EAGER_HC = HCFunctions(ref.hc_pre, ref.hc_post, ref.hc_head)
+FUSABLE_HC = HCFunctions(partial(ref.hc_pre, mixes=hc_mixes_split), hc_post_unrolled,
+                         partial(ref.hc_head, mixes=hc_mixes_split))
 
 
 def q_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,22 +134,23 @@ def unrope(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return ref.rope_tail(o, cos, sin, inverse=True)
 
 
-# region -> (its eager form, the cfg.compiled group that compiles it)
-_REGIONS = {"hc": (EAGER_HC, "hc"), "q_heads": (q_heads, "attn"), "unrope": (unrope, "attn"),
-            "gated": (ref.gated, "moe")}
+# region -> (its eager form, the cfg.compiled group that compiles it, the form compiled)
+_REGIONS = {"hc": (EAGER_HC, "hc", FUSABLE_HC), "q_heads": (q_heads, "attn", q_heads),
+            "unrope": (unrope, "attn", unrope), "gated": (ref.gated, "moe", ref.gated),
+            "norm": (ref.rms_norm, "norm", ref.rms_norm)}
 
 
 @lru_cache(maxsize=None)
 def _compiled(name: str):
-    eager = _REGIONS[name][0]
+    form = _REGIONS[name][2]
     if name == "hc":
-        return HCFunctions(*(torch.compile(f, dynamic=False) for f in eager))
-    return torch.compile(eager, dynamic=False)
+        return HCFunctions(*(torch.compile(f, dynamic=False) for f in form))
+    return torch.compile(form, dynamic=False)
 
 
 def region(cfg: ModelConfig, name: str, x: torch.Tensor):
     """Region `name`, compiled where cfg.compiled names its group and x is on CUDA, else its eager form."""
-    eager, group = _REGIONS[name]
+    eager, group, _ = _REGIONS[name]
     return _compiled(name) if group in cfg.compiled_regions and x.is_cuda else eager
 
 
@@ -153,10 +189,10 @@ class ParallelAttention(nn.Module):
         self.head_dim, self.softmax_scale = D, D ** -0.5
         self.attn_sink = mark_tp(nn.Parameter(torch.zeros(H // tp, dtype=torch.float32)), 0)
         self.wq_a = ref.Linear(cfg.dim, cfg.q_lora_rank, dt)
-        self.q_norm = ref.RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.q_norm = Norm(cfg, cfg.q_lora_rank)
         self.wq_b = column_linear(cfg.q_lora_rank, H * D, dt, tp)
         self.wkv = ref.Linear(cfg.dim, D, dt)
-        self.kv_norm = ref.RMSNorm(D, cfg.norm_eps)
+        self.kv_norm = Norm(cfg, D)
         self.wo_a = column_linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dt, tp)
         self.wo_b = row_linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dt, tp)
         if self.ratio:
@@ -431,8 +467,8 @@ class ParallelBlock(nn.Module):
             self.register_parameter(f"hc_{sub}_base", mark_replicated(nn.Parameter(torch.empty(mix))))
             self.register_parameter(f"hc_{sub}_scale", mark_replicated(nn.Parameter(torch.empty(3))))
         self.attn = ParallelAttention(layer_id, cfg, ranks)
-        self.attn_norm = SPRMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn_norm = SPRMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn_norm = SPRMSNorm(cfg, cfg.dim)
+        self.ffn_norm = SPRMSNorm(cfg, cfg.dim)
         self.ffn = ParallelMoE(layer_id, cfg, ranks)
 
     def _hc_pre(self, hc: HCFunctions, X, sub):
@@ -459,9 +495,9 @@ class ParallelMTPBlock(ParallelBlock):
         dt = ref.torch_dtype(cfg)
         self.e_proj = ref.Linear(cfg.dim, cfg.dim, dt)
         self.h_proj = ref.Linear(cfg.dim, cfg.dim, dt)
-        self.enorm = SPRMSNorm(cfg.dim, cfg.norm_eps)
-        self.hnorm = SPRMSNorm(cfg.dim, cfg.norm_eps)
-        self.norm = SPRMSNorm(cfg.dim, cfg.norm_eps)
+        self.enorm = SPRMSNorm(cfg, cfg.dim)
+        self.hnorm = SPRMSNorm(cfg, cfg.dim)
+        self.norm = SPRMSNorm(cfg, cfg.dim)
         hc = cfg.hc_mult
         self.hc_head_fn = nn.Parameter(torch.empty(hc, hc * cfg.dim))
         self.hc_head_base = nn.Parameter(torch.empty(hc))

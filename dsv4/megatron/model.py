@@ -81,7 +81,7 @@ class DSV4Stage(nn.Module):
         if ranks.last_stage:
             self.mtp = nn.ModuleDict({str(k): ParallelMTPBlock(cfg.n_layers + k, cfg, ranks)
                                       for k in range(cfg.n_mtp_layers)})
-            self.norm = SPRMSNorm(cfg.dim, cfg.norm_eps)
+            self.norm = SPRMSNorm(cfg, cfg.dim)
             self.head = column_linear(cfg.dim, cfg.vocab_size, torch.float32, ranks.tp)
             hc = cfg.hc_mult
             self.hc_head_fn = mark_replicated(nn.Parameter(torch.empty(hc, hc * cfg.dim)))
@@ -160,7 +160,7 @@ class DSV4Stage(nn.Module):
     def head_logits(self, X, fn, scale, base, norm) -> torch.Tensor:
         """Vocab-parallel logits [B, S, V/TP] (fp32) of the streams X [B, S/TP, hc, dim]."""
         y = region(self.cfg, "hc", X).head(X, fn, scale, base, self.cfg.hc_eps, self.cfg.norm_eps)
-        return ref.head_linear(sp_gather(norm(y)), self.head.weight, self.cfg)
+        return ref.fp32_linear(sp_gather(norm(y)), self.head.weight, self.cfg)
 
     def _scored_logits(self, logits: torch.Tensor, score: dict) -> torch.Tensor:
         """logits / temperature, tokens outside the allowed set pushed to -1e30 (finite: the vocab-parallel

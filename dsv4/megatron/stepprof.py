@@ -25,7 +25,7 @@ PART_OF_CLASS = {
     "Compressor": "compressors",
     "Indexer": "indexer",
     "ParallelAttention": "attention", "Attention": "attention",
-    "RMSNorm": "norms", "SPRMSNorm": "norms",
+    "RMSNorm": "norms", "Norm": "norms", "SPRMSNorm": "norms",
     "Gate": "router and dispatch", "ParallelMoE": "router and dispatch", "MoE": "router and dispatch",
     "Expert": "expert GEMMs", "GroupedExperts": "expert GEMMs",
     "ParallelBlock": "hyper-connections", "ParallelMTPBlock": "hyper-connections",
@@ -225,7 +225,7 @@ def table(parts: list[Part], wall_s: float) -> str:
 # ================================================================================================ the bench
 @dataclass
 class StepRow:
-    variant: str          # e.g. "head_gemm=bf16x3"
+    variant: str          # e.g. "fp32_gemm=bf16x3"
     step_s: float         # median over the timed steps
     tokens_per_s: float
     model_tflops: float

@@ -60,7 +60,7 @@ from dsv4 import quant
 from dsv4.kernels import reference as kref
 from dsv4.kernels import sparse_attn, split_gemm, triton_sinkhorn
 from dsv4.model import (MoE, Attention, Block, Compressor, Transformer, _kv_fp8_qat, compress, gated,
-                        grouped_output, hadamard, hc_head, hc_post, head_linear, rms_norm, rope_cos_sin, rope_tail,
+                        grouped_output, hadamard, hc_head, hc_post, fp32_linear, rms_norm, rope_cos_sin, rope_tail,
                         sinkhorn)
 
 
@@ -328,12 +328,12 @@ def compiled_regions() -> Regions:
 
 class Prepared:
     """Forms of the model's weights that the decode step reads in place of the parameters, on CUDA: the head's
-    bf16 halves (cfg.head_gemm bf16x3 or bf16x3_fwd) and each layer's stacked routed experts. Built once per engine and
+    bf16 halves (cfg.fp32_gemm bf16x3 or bf16x3_fwd) and each layer's stacked routed experts. Built once per engine and
     shared by its decoders; `refresh()` after the weights change in place rewrites them in place, so captured
     graphs see the new values. Costs a second copy of the head and of the routed experts."""
 
     def __init__(self, model: Transformer):
-        self.head = split_gemm.SplitWeight(model.head.weight) if model.cfg.head_gemm != "fp32" else None
+        self.head = split_gemm.SplitWeight(model.head.weight) if model.cfg.fp32_gemm != "fp32" else None
         self.experts = [ExpertStack(layer.ffn) for layer in model.layers]
 
     @classmethod
@@ -368,7 +368,7 @@ def step(model: Transformer, cache: DecodeCache, ids: torch.Tensor, pos: int | t
         routes.append(chosen)
     y = regions.head(model, X)
     head = prepared.head if prepared is not None else None
-    logits = head.linear(y) if head is not None else head_linear(y, model.head.weight, cfg)
+    logits = head.linear(y) if head is not None else fp32_linear(y, model.head.weight, cfg)
     return logits[:, 0], torch.stack(routes, dim=1)
 
 

@@ -390,8 +390,8 @@ def peak_tflops_of(device_name: str) -> float:
 @click.option("--steps", type=int, default=3, show_default=True, help="timed steps per variant (the median is printed)")
 @click.option("--compare", "compare", default=None, metavar="KEY=V1,V2 | 'K=V K=V;K=V ...'",
               help="time variants side by side on the same weights and batches: the values of one runtime switch "
-                   "(head_gemm=fp32,bf16x3), or variants separated by ';', each a set of switches "
-                   "('head_gemm=bf16x3;head_gemm=bf16x3_fwd compiled=hc'). Switches: " + ", ".join(RUNTIME_SWITCHES))
+                   "(fp32_gemm=fp32,bf16x3), or variants separated by ';', each a set of switches "
+                   "('fp32_gemm=bf16x3;fp32_gemm=bf16x3_fwd compiled=hc'). Switches: " + ", ".join(RUNTIME_SWITCHES))
 @click.option("--top", type=int, default=0, show_default=True, help="also list the profiled step's N longest kernels")
 @click.option("--peak-tflops", type=float, default=None,
               help="MFU's denominator (default: HW_PEAK_TFLOPS of the hw/*.env whose HW_GPU_NAME names this GPU)")

@@ -10,7 +10,7 @@ import torch
 
 from dsv4.config import RUNTIME_SWITCHES, ModelConfig
 from dsv4.model import gated
-from dsv4.megatron.layers import EAGER_HC, ParallelMoE, _compiled, q_heads, region, unrope
+from dsv4.megatron.layers import EAGER_HC, FUSABLE_HC, ParallelMoE, _compiled, q_heads, region, unrope
 from dsv4.megatron.parallel import Ranks
 
 ONE = Ranks(world=1, rank=0, tp=1, tp_rank=0, pp=1, pp_rank=0, dp=1, dp_rank=0, ep=1, ep_rank=0, etp=1,
@@ -63,7 +63,7 @@ def test_switches_are_validated_and_listed():
     for key in RUNTIME_SWITCHES:
         assert hasattr(ModelConfig(), key)
     assert ModelConfig.preset("tiny").with_overrides(compiled="hc+attn+moe").compiled_regions == ("hc", "attn", "moe")
-    for bad in (dict(moe_impl="fast"), dict(compiled="hc+jit"), dict(head_gemm="bf16")):
+    for bad in (dict(moe_impl="fast"), dict(compiled="hc+jit"), dict(fp32_gemm="bf16")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ModelConfig.preset("tiny").with_overrides(**bad)
 
@@ -72,6 +72,32 @@ def test_regions_stay_eager_off_cuda():
     cfg = ModelConfig.preset("tiny").with_overrides(compiled="hc+attn+moe")
     assert region(cfg, "hc", torch.zeros(1)) is EAGER_HC
     assert region(cfg, "q_heads", torch.zeros(1)) is q_heads and region(cfg, "gated", torch.zeros(1)) is gated
+
+
+@pytest.mark.parametrize("dim", [64, 2048])
+def test_fusable_hc_forms_match_the_reference(dim):
+    """The forms the hc region compiles (split-K mixes GEMM, unrolled C^T R), run eagerly: the reference's math in
+    fp32 sums of another order. dim 2048 splits K = hc * dim into 1024-wide chunks, 64 into one per stream."""
+    cfg = ModelConfig.preset("tiny")
+    hc, g = cfg.hc_mult, torch.Generator().manual_seed(1)
+    X = torch.randn(2, 8, hc, dim, generator=g).to(torch.bfloat16)
+    fn = torch.randn((2 + hc) * hc, hc * dim, generator=g) * 0.02
+    scale, base = torch.rand(3, generator=g), torch.randn((2 + hc) * hc, generator=g) * 0.1
+    f = torch.randn(2, 8, dim, generator=g).to(torch.bfloat16)
+    head_fn, head_base = fn[:hc], base[:hc]
+    res = {}
+    for name, fns in (("eager", EAGER_HC), ("fusable", FUSABLE_HC)):
+        ins = [t.clone().requires_grad_(True) for t in (X, fn, scale, base, f)]
+        x, post, comb = fns.pre(*ins[:4], hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        out = fns.post(ins[4], ins[0], post, comb)
+        y = fns.head(ins[0], head_fn, scale[:1], head_base, cfg.hc_eps, cfg.norm_eps)
+        ((x.float() * 0.3).sum() + (out.float() ** 2).mean() + comb.sum(-1).pow(2).sum() + y.float().sum()).backward()
+        res[name] = [x, post, comb, out, y] + [t.grad for t in ins]
+    for a, b in zip(res["eager"], res["fusable"]):
+        assert torch.isfinite(b.float()).all() and b.float().abs().max() > 0
+        # bf16 outputs may round the other way by one ulp; fp32 ones agree to fp32 accumulation error
+        tol = dict(rtol=1e-2, atol=1e-2) if b.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b.float(), a.float(), **tol)
 
 
 def test_compiled_hc_matches_eager_forward_and_backward():

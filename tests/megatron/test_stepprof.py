@@ -13,12 +13,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_step_compares_variants_and_splits_the_step_by_part():
     r = subprocess.run([sys.executable, "-m", "launcher", "bench", "step", "--steps", "1", "--warmup", "1",
-                        "--compare", "head_gemm=fp32,bf16x3", "--profile", "each", "--json"],
+                        "--compare", "fp32_gemm=fp32,bf16x3", "--profile", "each", "--json"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout)
     rows = rep["rows"]
-    assert [x["variant"] for x in rows] == ["head_gemm=fp32", "head_gemm=bf16x3"]
+    assert [x["variant"] for x in rows] == ["fp32_gemm=fp32", "fp32_gemm=bf16x3"]
     for x in rows:
         assert math.isfinite(x["loss"]) and x["tokens_per_s"] > 0 and x["model_tflops"] > 0
         assert x["mfu"] is None                                   # a CPU states no peak
@@ -38,9 +38,9 @@ def test_compare_parses_one_switch_or_sets_of_switches():
     import pytest
 
     from launcher.commands.bench import parse_variants
-    assert parse_variants("head_gemm=fp32,bf16x3") == [{"head_gemm": "fp32"}, {"head_gemm": "bf16x3"}]
-    assert parse_variants("head_gemm=bf16x3; head_gemm=bf16x3_fwd compiled=hc+attn") == [
-        {"head_gemm": "bf16x3"}, {"head_gemm": "bf16x3_fwd", "compiled": "hc+attn"}]
-    for bad in ("lr=1,2", "head_gemm", "head_gemm=bf16x3;seq_len=4", ";"):
+    assert parse_variants("fp32_gemm=fp32,bf16x3") == [{"fp32_gemm": "fp32"}, {"fp32_gemm": "bf16x3"}]
+    assert parse_variants("fp32_gemm=bf16x3; fp32_gemm=bf16x3_fwd compiled=hc+attn") == [
+        {"fp32_gemm": "bf16x3"}, {"fp32_gemm": "bf16x3_fwd", "compiled": "hc+attn"}]
+    for bad in ("lr=1,2", "fp32_gemm", "fp32_gemm=bf16x3;seq_len=4", ";"):
         with pytest.raises(click.BadParameter, match="switches: attn_impl"):
             parse_variants(bad)

@@ -245,9 +245,9 @@ def test_the_prepared_weights_follow_each_weight_update():
     refreshes after every update. Given the same forms on a CPU (fp32 head: the split head needs CUDA), it must
     decode each version's weights as the engine that reads the parameters does."""
     kw = dict(seed=5, cuda_graphs=True)
-    prepared = EmbeddedEngine.from_preset("tiny", ["index_topk=64", "dtype=fp32", "head_gemm=fp32"], **kw)
+    prepared = EmbeddedEngine.from_preset("tiny", ["index_topk=64", "dtype=fp32", "fp32_gemm=fp32"], **kw)
     prepared._prepared = decode.Prepared(prepared.model)
-    plain = EmbeddedEngine.from_preset("tiny", ["index_topk=64", "dtype=fp32", "head_gemm=fp32"], **kw)
+    plain = EmbeddedEngine.from_preset("tiny", ["index_topk=64", "dtype=fp32", "fp32_gemm=fp32"], **kw)
     reqs = [_req(list(range(50, 50 + n)), n=6, sampling_seed=i) for i, n in enumerate((4, 9))]
     before = plain.generate(reqs)
     for version in ("1", "2"):
