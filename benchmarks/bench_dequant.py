@@ -10,7 +10,10 @@ Generates a released-layout checkpoint (FP8 + MXFP4, >= 1 GB with the defaults),
   3. `dequantize_checkpoint` into BF16 shards (read, dequantize, write, fsync), in one process and with
      `workers` processes converting shards at once,
 and prints MB/s of input bytes for both (and MB/s of output bytes for the dequantizer). Both read the source
-from the page cache, since the generator has just written it. Everything is deleted at the end unless --keep.
+from the page cache, since the generator has just written it. The dequantizer writes 2.2x the bytes it reads
+(bf16 from FP8 and MXFP4), so where the disk is the limit its share of the copy's throughput cannot exceed
+input/output bytes: the last line prints that ceiling beside the share reached. Everything is deleted at the end
+unless --keep.
 """
 from __future__ import annotations
 
@@ -99,6 +102,12 @@ def main() -> None:
               f"{s.bytes_out / 1e6 / t_par:>20.0f}")
     print(f"dequantize time / copy time: {t_deq / t_copy:.2f}x (copyfile), {t_deq / t_ucopy:.2f}x (read/write); "
           f"output {s.bytes_out / 1e6:.0f} MB in {s.n_shards} shard(s), {s.bytes_out / nbytes:.2f}x the input bytes")
+    # Writing the output at the faster copy's rate is the floor for any dequantizer on this disk: as a share of the
+    # copy's input throughput it is input/output bytes, whatever the compute costs.
+    t_floor = s.bytes_out / max(nbytes / t_copy, nbytes / t_ucopy)
+    print(f"single process: {nbytes / t_deq / (nbytes / t_copy):.0%} of copyfile's input MB/s; writing the output at "
+          f"the copy's rate alone takes {t_floor:.2f} s ({nbytes / t_floor / (nbytes / t_copy):.0%} of copyfile's input "
+          f"MB/s: the ceiling here), and the dequantizer ran at {t_floor / t_deq:.0%} of that ceiling")
     if not a.keep:
         shutil.rmtree(a.dir)
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
 import shutil
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -255,7 +257,11 @@ def read_header(path: str | Path) -> tuple[dict, int]:
 class ShardWriter:
     """Streams tensors into one safetensors file whose header (names, dtypes, shapes) is fixed up front.
     As a context manager it writes `path`.tmp and renames it to `path` only when every tensor arrived,
-    so a shard under its final name is always complete."""
+    so a shard under its final name is always complete.
+
+    The bytes go to the file from a thread of its own (at most two tensors queued), so whoever produces the
+    tensors (the dequantizer) computes the next one while the disk takes this one: where writing is the slow
+    part, a write blocks for as long as the disk needs, and inline it would stall the compute."""
 
     def __init__(self, path: str | Path, entries: list[tuple[str, str, tuple[int, ...]]]):
         self.final = Path(path)
@@ -270,16 +276,38 @@ class ShardWriter:
         self.size = 8 + len(raw) + offset
         self.f = open(self.path, "wb")
         self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name=f"write {self.final.name}", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while (t := self._queue.get()) is not None:
+            if self._error is None:             # after a failed write, keep taking tensors so no put() blocks
+                try:
+                    self.f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))   # no extra copy
+                except BaseException as e:      # noqa: BLE001 -- raised again in the caller's thread
+                    self._error = e
+
+    def _join(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
 
     def write(self, name: str, t: torch.Tensor) -> None:
         want_name, dtype, shape = self.entries[self.next]
         if name != want_name or _ST_DTYPES.get(t.dtype) != dtype or tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{self.path.name}: expected {want_name} {dtype} {list(shape)}, got {name} "
                                   f"{_ST_DTYPES.get(t.dtype, t.dtype)} {list(t.shape)}")
-        self.f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))  # no extra copy
+        if self._error is not None:
+            raise self._error
+        self._queue.put(t.detach().contiguous())
         self.next += 1
 
     def close(self) -> None:
+        self._join()
         if self.next != len(self.entries):
             raise CheckpointError(f"{self.path.name}: {len(self.entries) - self.next} tensors not written")
         self.f.flush()
@@ -291,10 +319,19 @@ class ShardWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
+            try:
+                self._join()
+            except BaseException:         # noqa: BLE001 -- the exception in flight is the one to report
+                pass
             self.f.close()            # a rerun writes the shard again from its start: nothing partial stays
             self.path.unlink(missing_ok=True)
             return
-        self.close()
+        try:
+            self.close()
+        except BaseException:
+            self.f.close()
+            self.path.unlink(missing_ok=True)
+            raise
         os.replace(self.path, self.final)
 
 

@@ -302,3 +302,33 @@ def test_workers_write_the_same_shards(generated, bf16, tmp_path):
     for f in bf16.glob("model-*.safetensors"):
         assert (tmp_path / "par" / f.name).read_bytes() == f.read_bytes()
     assert (tmp_path / "par" / ck.INDEX).read_text() == (bf16 / ck.INDEX).read_text()
+
+
+def test_shard_writer_reports_a_failed_write_and_leaves_nothing(tmp_path):
+    """The writer thread's failure reaches the caller (at its next write or at close) and no .tmp stays behind.
+    The failure is real: the shard's file handle is swapped for one opened read-only, so the write raises."""
+    from dsv4.checkpoint import ShardWriter
+    entries = [(f"t{i}", "BF16", (256, 256)) for i in range(4)]
+    final = tmp_path / "model-00001-of-00001.safetensors"
+    import io
+    with pytest.raises(io.UnsupportedOperation):
+        with ShardWriter(final, entries) as w:
+            good = w.f
+            w.f = open(good.name, "rb")
+            good.close()
+            for name, _, shape in entries:
+                w.write(name, torch.ones(shape, dtype=torch.bfloat16))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shard_writer_writes_what_safetensors_reads(tmp_path):
+    from safetensors.torch import load_file
+    from dsv4.checkpoint import ShardWriter
+    ts = {f"t{i}": torch.randn(64 + i, 32).to(torch.bfloat16) for i in range(5)}
+    final = tmp_path / "s.safetensors"
+    with ShardWriter(final, [(n, "BF16", tuple(t.shape)) for n, t in ts.items()]) as w:
+        for n, t in ts.items():
+            w.write(n, t)
+    back = load_file(str(final))
+    assert back.keys() == ts.keys() and all(torch.equal(back[n], ts[n]) for n in ts)
+    assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]
