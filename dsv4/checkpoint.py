@@ -559,6 +559,7 @@ class DequantSummary:
     bytes_in: int
     bytes_out: int
     names: str
+    complete: bool = True          # False after a `part`: the index is not written yet
 
 
 def _plan_fingerprint(src_tensors: dict[str, SourceTensor]) -> str:
@@ -571,12 +572,21 @@ def _plan_fingerprint(src_tensors: dict[str, SourceTensor]) -> str:
 
 def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False, names: str = "hf",
                           shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None,
-                          workers: int = 1) -> DequantSummary:
+                          workers: int = 1, part: tuple[int, int] | None = None) -> DequantSummary:
     """Released-layout checkpoint (FP8 + MXFP4, official names or HF-style aliases) -> BF16 safetensors shards +
     index in `dst` under the official names (`names` "hf" or "official", the same output: see the names section
     above), with config.json, tokenizer and encoder files copied. Resumes an interrupted run into the same
     `dst`; refuses a non-empty `dst` that is not such a run unless force. `workers` > 1 converts that many
-    output shards at once in separate processes (shards are independent; progress then moves shard by shard)."""
+    output shards at once in separate processes (shards are independent; progress then moves shard by shard).
+
+    `part` = (i, n): only the output shards whose number is i modulo n, and nothing else (no index, no side files),
+    so that n machines sharing `dst` convert a checkpoint together; a call without `part` after all of them finds
+    their shards complete and finishes the conversion (it converts whatever a part left undone)."""
+    if part is not None and not (part[1] >= 1 and 0 <= part[0] < part[1]):
+        raise ValueError(f"part={part}: (i, n) with 0 <= i < n")
+    if part is not None and force:
+        raise ValueError("force with part: one part would delete the shards the others wrote; clear the destination "
+                         "once, before the parts start")
     if names not in NAMES:
         raise ValueError(f"names={names!r}: use 'hf' or 'official' (the same output: the official names of the "
                          "Hub release, which transformers and SGLang load)")
@@ -615,6 +625,8 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
     if dst.is_dir() and any(dst.iterdir()):
         resumable = plan_path.is_file() and not (dst / INDEX).is_file() and \
             json.loads(plan_path.read_text()) == plan
+        if part is not None and not plan_path.is_file():     # another part may have started but not written the plan
+            resumable = all(SHARD_RE.match(p.name) or p.name.endswith(".tmp") for p in dst.iterdir())
         if force:
             for p in dst.iterdir():
                 if SHARD_RE.match(p.name) or p.name.endswith(".tmp") or p.name in (INDEX, PLAN):
@@ -634,16 +646,20 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
     bytes_in = sum(_nbytes(t.dtype, t.shape) for t in raw.values())
     bytes_out = sum(n for _, n in items)
     done = written = skipped = 0
+    mine = [k for k in range(len(groups)) if part is None or k % part[1] == part[0]]
+    goal = sum(_nbytes(d, s) for k in mine for _, d, s in plan["shards"][k]["tensors"])   # this call's share
     todo = []
-    for shard, params in zip(plan["shards"], groups):
+    for k, (shard, params) in enumerate(zip(plan["shards"], groups)):
         entries = [(n, d, tuple(s)) for n, d, s in shard["tensors"]]
         for n, _, _ in entries:
             weight_map[n] = shard["file"]
+        if part is not None and k % part[1] != part[0]:
+            continue
         if _shard_is_complete(dst / shard["file"], entries):
             skipped += 1
             done += sum(_nbytes(d, s) for _, d, s in entries)
             if progress:
-                progress(done, bytes_out, f"(already complete) {shard['file']}")
+                progress(done, goal, f"(already complete) {shard['file']}")
             continue
         todo.append((dst / shard["file"], entries, params))
     job = _ShardJob(formats, tensors, raw_name)
@@ -658,13 +674,17 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
                 done += f.result()
                 written += 1
                 if progress:
-                    progress(done, bytes_out, futures[f].name)
+                    progress(done, goal, futures[f].name)
     else:
         reader = _Reader()
         for final, entries, params in todo:
             done += job(final, entries, params, reader,
-                        (lambda n, b: progress(done + b, bytes_out, n)) if progress else None)
+                        (lambda n, b: progress(done + b, goal, n)) if progress else None)
             written += 1
+
+    if part is not None:                   # the call without a part finishes the conversion
+        return DequantSummary(str(src), str(dst), len(shapes), len(groups), written, skipped, bytes_in, bytes_out,
+                              names, complete=False)
 
     # ---- side files, then the index (its presence marks a finished conversion)
     out_cfg = dict(hf_cfg)

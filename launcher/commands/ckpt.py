@@ -96,21 +96,36 @@ def generate(model, out, seed, overrides, shard_gb, force, as_json):
               "conversion of the same source is resumed).")
 @click.option("--workers", type=int, default=0, show_default="half the cores, at most 4",
               help="Output shards converted at once, each in its own process.")
+@click.option("--part", default=None, metavar="I/N",
+              help="Only output shards I, I+N, I+2N, ... (I from 0), and no index: N machines sharing DST each run "
+              "one part, then one run without --part finishes the conversion.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def dequantize(src, dst, names, shard_gb, force, workers, as_json):
+def dequantize(src, dst, names, shard_gb, force, workers, part, as_json):
     """Convert a released FP8/MXFP4 checkpoint in SRC to BF16 shards + index in DST under the official names,
     which transformers' and SGLang's DeepSeek-V4 loaders read (fp32 tensors such as attn_sink, hc_* and ape stay
-    fp32). Streams tensor by tensor; rerun the same command to resume."""
+    fp32). Streams tensor by tensor; rerun the same command to resume.
+
+    Over several machines that share DST: `v4 ckpt dequantize SRC DST --part I/N` on machine I of N, and when all
+    have finished, `v4 ckpt dequantize SRC DST` once (it finds their shards complete and writes the index)."""
     from dsv4.checkpoint import CheckpointError, default_workers, dequantize_checkpoint
 
     if not src.is_dir():
         raise click.UsageError(f"SRC {src} is not a directory; pass the checkpoint directory holding config.json "
                                "and the *.safetensors shards")
+    if part is not None:
+        i, _, n = part.partition("/")
+        if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+            raise click.BadParameter(f"{part!r}: I/N with 0 <= I < N, e.g. 0/4 on the first of four machines",
+                                     param_hint="--part")
+        if force:
+            raise click.UsageError("--force with --part: one part would delete the shards the others wrote; "
+                                   "clear DST once before the parts start")
+        part = (int(i), int(n))
     bar = _Bar("dequantize")
     t0 = time.monotonic()
     try:
         s = dequantize_checkpoint(src, dst, force=force, names=names, shard_bytes=int(shard_gb * (1 << 30)),
-                                  progress=bar, workers=workers or default_workers())
+                                  progress=bar, workers=workers or default_workers(), part=part)
     except (FileExistsError, CheckpointError) as e:
         raise click.UsageError(str(e)) from None
     finally:
@@ -119,9 +134,13 @@ def dequantize(src, dst, names, shard_gb, force, workers, as_json):
     summary = {"src": s.src, "dst": s.dst, "tensors": s.n_tensors, "shards": s.n_shards,
                "shards_written": s.shards_written, "shards_skipped": s.shards_skipped, "bytes_in": s.bytes_in,
                "bytes_out": s.bytes_out, "names": s.names, "seconds": round(secs, 2),
-               "mb_per_s_out": round(s.bytes_out / 1e6 / max(secs, 1e-9), 1)}
+               "mb_per_s_out": round(s.bytes_out / 1e6 / max(secs, 1e-9), 1), "complete": s.complete}
     if as_json:
         click.echo(json.dumps(summary))
+    elif not s.complete:
+        click.echo(f"part {part[0]}/{part[1]} of {s.dst}: {s.shards_written} shard(s) written, {s.shards_skipped} "
+                   f"already complete, {secs:.1f} s; when every part is done, finish with:\n"
+                   f"  v4 ckpt dequantize {src} {dst}")
     else:
         resumed = f" ({s.shards_skipped} already complete)" if s.shards_skipped else ""
         click.echo(f"wrote {s.dst}: {s.n_tensors} tensors in {s.n_shards} shard(s){resumed}, "

@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from click.testing import CliRunner
 
 from launcher.commands.ckpt import ckpt
@@ -31,6 +33,41 @@ def test_generate_dequantize_names(tmp_path):
 
     names = r.invoke(ckpt, ["names", "--model", "tiny", "--json"])
     assert names.exit_code == 0 and json.loads(names.stdout)["embed.weight"] == "model.embed_tokens.weight"
+
+
+def test_dequantize_in_parts_then_finish(tmp_path):
+    """Two parts (as two machines sharing the destination would run them) write disjoint shards and no index; the
+    run without --part writes none again and finishes; the result equals a one-call conversion's, byte for byte."""
+    from safetensors.torch import load_file
+    r = CliRunner()
+    assert r.invoke(ckpt, ["generate", "--model", "tiny", "--out", str(tmp_path / "g")]).exit_code == 0
+    shard = ["--shard-gb", "0.001", "--workers", "1"]                  # ~1 MB shards: several of them
+    whole = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "one"), *shard, "--json"])
+    n = json.loads(whole.stdout)["shards"]
+    assert n >= 3, whole.output
+    written = []
+    for i in range(2):
+        p = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "two"), *shard, "--part", f"{i}/2",
+                            "--json"])
+        assert p.exit_code == 0, p.output
+        s = json.loads(p.stdout)
+        assert not s["complete"] and not (tmp_path / "two" / "model.safetensors.index.json").exists()
+        written.append(s["shards_written"])
+    assert written == [(n + 1) // 2, n // 2]
+    text = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "two"), *shard, "--part", "1/2"])
+    assert text.exit_code == 0 and f"v4 ckpt dequantize {tmp_path / 'g'} {tmp_path / 'two'}" in text.stdout
+    fin = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "two"), *shard, "--json"])
+    s = json.loads(fin.stdout)
+    assert fin.exit_code == 0 and s["complete"] and s["shards_written"] == 0 and s["shards_skipped"] == n
+    for f in sorted((tmp_path / "one").glob("*.safetensors")):
+        a, b = load_file(str(f)), load_file(str(tmp_path / "two" / f.name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "two" / "model.safetensors.index.json").read_text() == \
+        (tmp_path / "one" / "model.safetensors.index.json").read_text()
+    bad = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "x"), "--part", "2/2"])
+    assert bad.exit_code == 2 and "0 <= I < N" in bad.output
+    forced = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "x"), "--part", "0/2", "--force"])
+    assert forced.exit_code == 2 and "clear DST once" in forced.output
 
 
 def test_bad_input_is_a_usage_error(tmp_path):
