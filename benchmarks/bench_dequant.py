@@ -105,9 +105,9 @@ def main() -> None:
     # Writing the output at the faster copy's rate is the floor for any dequantizer on this disk: as a share of the
     # copy's input throughput it is input/output bytes, whatever the compute costs.
     t_floor = s.bytes_out / max(nbytes / t_copy, nbytes / t_ucopy)
-    print(f"single process: {nbytes / t_deq / (nbytes / t_copy):.0%} of copyfile's input MB/s; writing the output at "
-          f"the copy's rate alone takes {t_floor:.2f} s ({nbytes / t_floor / (nbytes / t_copy):.0%} of copyfile's input "
-          f"MB/s: the ceiling here), and the dequantizer ran at {t_floor / t_deq:.0%} of that ceiling")
+    print(f"single process: {t_copy / t_deq:.0%} of copyfile's input MB/s; writing the output at the copy's rate "
+          f"alone takes {t_floor:.2f} s ({t_copy / t_floor:.0%} of copyfile's input MB/s: the ceiling here), and the "
+          f"dequantizer ran at {t_floor / t_deq:.0%} of that ceiling")
     if not a.keep:
         shutil.rmtree(a.dir)
 

@@ -257,8 +257,9 @@ def route(logits: torch.Tensor, score_func: str, topk: int, route_scale: float,
 
 
 def fp32_linear(x: torch.Tensor, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """x @ w^T for an fp32 weight (the head, a compressor's projections) -> fp32, as cfg.fp32_gemm says on CUDA (F.linear
-    in fp32 on a CPU). Pass x in its own dtype: bf16 values are exact, so the split GEMM skips their lo half."""
+    """x @ w^T for an fp32 weight (the head, a compressor's projections) -> fp32, as cfg.fp32_gemm says on CUDA
+    (F.linear in fp32 on a CPU). Pass x in its own dtype: bf16 values are exact, so the split GEMM skips their lo
+    half."""
     if cfg.fp32_gemm != "fp32":
         return split_gemm.linear(x, w, split_backward=cfg.fp32_gemm == "bf16x3")
     return F.linear(x.float(), w.float())

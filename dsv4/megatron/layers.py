@@ -100,9 +100,10 @@ class HCFunctions(NamedTuple):
 
 
 def hc_mixes_split(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """ref.hc_mixes with its GEMM split along K = hc*dim into chunks of <= 1024, one batched GEMM plus a sum. The
-    GEMM has only (2+hc)*hc = 24 columns: unsplit, cuBLAS tiles it into as many blocks as there are 32-token row
-    tiles and each block walks all of K (a few % of the GPU's bandwidth, ~60 ms of the H200 smoke's step)."""
+    """ref.hc_mixes with its GEMM split along K = hc*dim into chunks of 1024 (of dim, where dim is not a multiple of
+    1024), one batched GEMM plus a sum. The GEMM has only (2+hc)*hc = 24 columns: unsplit, cuBLAS tiles it into as
+    many blocks as there are 32-token row tiles and each block walks all of K (a few % of the GPU's bandwidth, ~60 ms
+    of the H200 smoke's step)."""
     B, S, hc, d = X.shape
     K, M = hc * d, fn.shape[0]
     s = hc * (d // 1024) if d % 1024 == 0 else hc

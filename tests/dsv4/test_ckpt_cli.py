@@ -66,7 +66,8 @@ def test_dequantize_in_parts_then_finish(tmp_path):
         (tmp_path / "one" / "model.safetensors.index.json").read_text()
     bad = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "x"), "--part", "2/2"])
     assert bad.exit_code == 2 and "0 <= I < N" in bad.output
-    forced = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "x"), "--part", "0/2", "--force"])
+    forced = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "x"), "--part", "0/2",
+                             "--force"])
     assert forced.exit_code == 2 and "clear DST once" in forced.output
 
 

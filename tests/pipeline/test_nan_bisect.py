@@ -97,7 +97,7 @@ def test_the_ladder_names_the_switch(work, plant, sets, culprit):
 
 
 def check_report(run: Path, report: dict, plant: str, culprit: str) -> None:
-    """The verdict names `culprit` alone, the forensics the planted module, and every rung replayed the captured data."""
+    """The verdict names `culprit` alone, the forensics the planted module, every rung replayed the captured data."""
     assert report["reproduced"] and report["culprit"] == [culprit], report["verdict"]
     assert f"culprit: {culprit}" in report["verdict"]
     module = plant.split(":")[0]
