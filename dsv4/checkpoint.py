@@ -628,9 +628,7 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
         if part is not None and not plan_path.is_file():     # another part may have started but not written the plan
             resumable = all(SHARD_RE.match(p.name) or p.name.endswith(".tmp") for p in dst.iterdir())
         if force:
-            for p in dst.iterdir():
-                if SHARD_RE.match(p.name) or p.name.endswith(".tmp") or p.name in (INDEX, PLAN):
-                    p.unlink()
+            clear_conversion(dst)
         elif not resumable:
             why = "it already holds a finished conversion" if (dst / INDEX).is_file() else \
                 "it holds an interrupted conversion of a different source or layout" if plan_path.is_file() else \
@@ -700,6 +698,13 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
     _write_index(dst, weight_map, bytes_out)
     plan_path.unlink()
     return DequantSummary(str(src), str(dst), len(shapes), len(groups), written, skipped, bytes_in, bytes_out, names)
+
+
+def clear_conversion(dst: str | Path) -> None:
+    """Delete what a conversion into `dst` wrote (shards, partial shards, plan, index); other files stay."""
+    for p in Path(dst).iterdir():
+        if SHARD_RE.match(p.name) or p.name.endswith(".tmp") or p.name in (INDEX, PLAN):
+            p.unlink()
 
 
 def _dequantize_param(name: str, fmt: str, tensors: dict[str, SourceTensor], raw_name: dict[str, str],

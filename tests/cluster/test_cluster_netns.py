@@ -101,6 +101,40 @@ def test_probe_job_runs_across_the_nodes(netns_cluster, netns_cfg, ray_up):
     assert st["healthy"] and [j["status"] for j in st["jobs"] if j["submission_id"] == sid] == ["SUCCEEDED"]
 
 
+def test_dequantize_spreads_its_shards_over_the_nodes(netns_cluster, netns_cfg, ray_up, tmp_path):
+    """The dequantize step's spread (jobs/dequantize.py) as a Ray job on the three hosts: one task pinned to each
+    node converts its share of the output shards into the shared destination, the job's own call then finds them
+    all complete and writes the index; the result is a one-process conversion's, byte for byte."""
+    from safetensors.torch import load_file
+    from dsv4.checkpoint import dequantize_checkpoint, generate_checkpoint
+    from dsv4.config import ModelConfig
+    from launcher.jobs import submit_and_wait
+    from launcher.nodes import python_on_nodes
+    from launcher.plan import JobSpec, working_dir_excludes
+
+    src, dst, one = tmp_path / "src", tmp_path / "spread", tmp_path / "one"
+    generate_checkpoint(ModelConfig.preset("tiny"), src)
+    shard = 1 << 20                                          # ~1 MB shards: more of them than nodes
+    n_shards = dequantize_checkpoint(src, one, shard_bytes=shard).n_shards
+    assert n_shards > 3
+    code = ("from jobs.dequantize import _ray_nodes, _spread; from dsv4.checkpoint import dequantize_checkpoint; "
+            f"nodes = _ray_nodes(); _spread({str(src)!r}, {str(dst)!r}, nodes, {shard}); "
+            f"s = dequantize_checkpoint({str(src)!r}, {str(dst)!r}, shard_bytes={shard}); "
+            "print('V4_DEQ', len(nodes), s.shards_written, s.shards_skipped, flush=True)")
+    job = JobSpec(submission_id=f"dequant-spread-{os.getpid()}", entrypoint=f"{python_on_nodes(netns_cfg)} -c {code!r}",
+                  runtime_env={"working_dir": str(ROOT), "excludes": working_dir_excludes(ROOT)},
+                  entrypoint_num_cpus=0, entrypoint_num_gpus=0, timeout_s=300, submit="")
+    out = submit_and_wait(netns_cfg, job, progress=lambda m: None)
+    assert out.ok, out.log_tail
+    assert f"V4_DEQ 3 0 {n_shards}" in out.log_tail                 # the parts wrote every shard
+    ips = {line.split(" on ")[1].split(":")[0] for line in out.log_tail.splitlines() if "dequantize: part" in line}
+    assert ips == {h.ip for h in netns_cluster.hosts}, out.log_tail
+    for f in sorted(one.glob("*.safetensors")):
+        a, b = load_file(str(f)), load_file(str(dst / f.name))
+        assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    assert (dst / "model.safetensors.index.json").read_text() == (one / "model.safetensors.index.json").read_text()
+
+
 def test_killed_worker_raylet_shows_in_status_and_up_heals_it(netns_cluster, netns_cfg, ray_up):
     victim = cluster.status(netns_cfg).nodes[2]
     pid = victim.proc("raylet")["pid"]
