@@ -50,9 +50,10 @@ def test_rl_smoke_learns_and_passes_its_gates(work):
         assert all(m[k] == m[k] for k in ("loss", "grad_norm", "reward_mean", "sync_gb_s", "rollout_tokens_per_s"))
 
 
-@pytest.mark.parametrize("minibatches", [1, 2])
+@pytest.mark.parametrize("minibatches", [2])
 def test_a_killed_rl_run_resumes_with_the_same_prompts_and_seeds(work, minibatches):
-    """With two updates per rollout the checkpoints count updates (6 at step 3): the resume maps them back."""
+    """With two updates per rollout the checkpoints count updates (6 at step 3): the resume maps them back. (One
+    update per rollout is the same path with a map of 1; it ran here too until CI's time asked for one case.)"""
     common = ("--set", "V4_EXECUTOR=local", "--set", "PRESET_NUM_STEPS=6", "--set", "PRESET_SAVE_INTERVAL=3",
               "--set", "PRESET_GATES=finite_loss", "--set", f"PRESET_RL_MINIBATCHES={minibatches}")
     whole = v4(work, "run", "--preset", "rl_smoke", "--json", *common)
@@ -73,18 +74,26 @@ def test_a_killed_rl_run_resumes_with_the_same_prompts_and_seeds(work, minibatch
             assert rows[s][key] == straight[s - 1][key], (s, key, rows[s][key], straight[s - 1][key])
 
 
+GLOO_COMMON = ("--set", "V4_EXECUTOR=local", "--set", "PRESET_NUM_STEPS=4", "--set", "PRESET_GATES=finite_loss")
+
+
+@pytest.fixture(scope="module")
+def one_rank(work) -> list[dict]:
+    """The one-process run the layouts below are held to (the same for all of them: run once)."""
+    one = v4(work, "run", "--preset", "rl_smoke", "--json", *GLOO_COMMON)
+    assert one.returncode == 0, one.stderr[-3000:]
+    return metrics(Path(json.loads(one.stdout)["run_dir"]))
+
+
 @pytest.mark.parametrize("layout", [("PRESET_TP=2",), ("PRESET_EP=2",), ("PRESET_PP=2",)],
                          ids=["tp2", "ep2_dp2", "pp2"])
-def test_rl_on_two_gloo_ranks_follows_one_rank(work, layout):
+def test_rl_on_two_gloo_ranks_follows_one_rank(work, one_rank, layout):
     """The trainer on megatron-core's parallel layouts (rank 0 rolls out and syncs; each rank trains its share):
     the same rollouts, rewards and losses as one process, step for step."""
-    common = ("--set", "V4_EXECUTOR=local", "--set", "PRESET_NUM_STEPS=4", "--set", "PRESET_GATES=finite_loss")
-    one = v4(work, "run", "--preset", "rl_smoke", "--json", *common)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = v4(work, "run", "--preset", "rl_smoke", "--json", *common, "--set", "V4_NUM_GPUS_PER_NODE=2",
+    two = v4(work, "run", "--preset", "rl_smoke", "--json", *GLOO_COMMON, "--set", "V4_NUM_GPUS_PER_NODE=2",
              *[a for kv in layout for a in ("--set", kv)])
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = (metrics(Path(json.loads(r.stdout)["run_dir"])) for r in (one, two))
+    a, b = one_rank, metrics(Path(json.loads(two.stdout)["run_dir"]))
     assert "world 2" in (Path(json.loads(two.stdout)["run_dir"]) / "steps/train/log").read_text()
     for x, y in zip(a, b):
         assert x["reward_mean"] == y["reward_mean"] and x["response_len"] == y["response_len"]
