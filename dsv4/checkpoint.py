@@ -583,10 +583,10 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
     so that n machines sharing `dst` convert a checkpoint together; a call without `part` after all of them finds
     their shards complete and finishes the conversion (it converts whatever a part left undone)."""
     if part is not None and not (part[1] >= 1 and 0 <= part[0] < part[1]):
-        raise ValueError(f"part={part}: (i, n) with 0 <= i < n")
+        raise ValueError(f"part {part[0]}/{part[1]}: I/N with 0 <= I < N, e.g. 0/4 on the first of four machines")
     if part is not None and force:
-        raise ValueError("force with part: one part would delete the shards the others wrote; clear the destination "
-                         "once, before the parts start")
+        raise ValueError("force with a part: one part would delete the shards the others wrote; clear DST once "
+                         "before the parts start")
     if names not in NAMES:
         raise ValueError(f"names={names!r}: use 'hf' or 'official' (the same output: the official names of the "
                          "Hub release, which transformers and SGLang load)")

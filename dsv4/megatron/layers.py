@@ -135,15 +135,16 @@ def unrope(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return ref.rope_tail(o, cos, sin, inverse=True)
 
 
-# region -> (its eager form, the cfg.compiled group that compiles it, the form compiled)
-_REGIONS = {"hc": (EAGER_HC, "hc", FUSABLE_HC), "q_heads": (q_heads, "attn", q_heads),
-            "unrope": (unrope, "attn", unrope), "gated": (ref.gated, "moe", ref.gated),
-            "norm": (ref.rms_norm, "norm", ref.rms_norm)}
+# region -> (its eager form, the cfg.compiled group that compiles it); the form compiled is the eager one unless
+# _FUSABLE names another
+_REGIONS = {"hc": (EAGER_HC, "hc"), "q_heads": (q_heads, "attn"), "unrope": (unrope, "attn"),
+            "gated": (ref.gated, "moe"), "norm": (ref.rms_norm, "norm")}
+_FUSABLE = {"hc": FUSABLE_HC}
 
 
 @lru_cache(maxsize=None)
 def _compiled(name: str):
-    form = _REGIONS[name][2]
+    form = _FUSABLE.get(name, _REGIONS[name][0])
     if name == "hc":
         return HCFunctions(*(torch.compile(f, dynamic=False) for f in form))
     return torch.compile(form, dynamic=False)
@@ -151,7 +152,7 @@ def _compiled(name: str):
 
 def region(cfg: ModelConfig, name: str, x: torch.Tensor):
     """Region `name`, compiled where cfg.compiled names its group and x is on CUDA, else its eager form."""
-    eager, group, _ = _REGIONS[name]
+    eager, group = _REGIONS[name]
     return _compiled(name) if group in cfg.compiled_regions and x.is_cuda else eager
 
 

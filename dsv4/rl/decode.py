@@ -59,9 +59,8 @@ import torch
 from dsv4 import quant
 from dsv4.kernels import reference as kref
 from dsv4.kernels import sparse_attn, split_gemm, triton_sinkhorn
-from dsv4.model import (MoE, Attention, Block, Compressor, Transformer, _kv_fp8_qat, compress, gated,
-                        grouped_output, hadamard, hc_head, hc_post, fp32_linear, rms_norm, rope_cos_sin, rope_tail,
-                        sinkhorn)
+from dsv4.model import (MoE, Attention, Block, Compressor, Transformer, _kv_fp8_qat, compress, fp32_linear, gated,
+                        grouped_output, hadamard, hc_head, hc_post, rms_norm, rope_cos_sin, rope_tail, sinkhorn)
 
 
 class PoolState:

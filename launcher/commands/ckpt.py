@@ -114,19 +114,16 @@ def dequantize(src, dst, names, shard_gb, force, workers, part, as_json):
                                "and the *.safetensors shards")
     if part is not None:
         i, _, n = part.partition("/")
-        if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        if not (i.isdigit() and n.isdigit()):
             raise click.BadParameter(f"{part!r}: I/N with 0 <= I < N, e.g. 0/4 on the first of four machines",
                                      param_hint="--part")
-        if force:
-            raise click.UsageError("--force with --part: one part would delete the shards the others wrote; "
-                                   "clear DST once before the parts start")
-        part = (int(i), int(n))
+        part = (int(i), int(n))          # the range, and --force with a part, are the dequantizer's to refuse
     bar = _Bar("dequantize")
     t0 = time.monotonic()
     try:
         s = dequantize_checkpoint(src, dst, force=force, names=names, shard_bytes=int(shard_gb * (1 << 30)),
                                   progress=bar, workers=workers or default_workers(), part=part)
-    except (FileExistsError, CheckpointError) as e:
+    except (FileExistsError, CheckpointError, ValueError) as e:
         raise click.UsageError(str(e)) from None
     finally:
         bar.close()
