@@ -57,7 +57,7 @@ def _worker(rank, world, port, args, name, out):
         m = m.with_overrides(dtype=args.dtype)
     tc = TrainConfig(model=m, layout=Layout(tp, pp, ep, etp), objective=Objective(args.mtp, 0.0),
                      seq_len=args.seq_len, micro_batch_size=args.mbs, global_batch_size=args.gbs,
-                     num_steps=args.steps, lr=1e-4, device=args.device, nonfinite_hooks=not args.no_hooks,
+                     num_steps=args.steps, lr=1e-4, device=args.device, nonfinite_locate=args.nonfinite_locate,
                      recompute=args.recompute)
     init_parallel(tc.layout, tc.seed)
     tr = Trainer(tc)
@@ -94,7 +94,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--mtp", type=float, default=0.0, help="MTP loss weight (0: MTP not run)")
     ap.add_argument("--recompute", default="none", choices=("none", "full"))
-    ap.add_argument("--no-hooks", action="store_true", help="switch the non-finite module hooks off")
+    ap.add_argument("--nonfinite-locate", default="rerun", choices=("rerun", "every_step", "off"),
+                    help="the non-finite module hooks: on a bad step only (rerun), every step, or off")
     args = ap.parse_args()
     names = args.layouts.split(",")
     unknown = [n for n in names if n not in LAYOUTS]
@@ -102,7 +103,7 @@ def main() -> None:
         sys.exit(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
     tokens = args.gbs * args.seq_len
     print(f"model {args.model} {args.overrides} | {args.device} | global batch {args.gbs} x {args.seq_len} "
-          f"= {tokens} tokens, micro-batch {args.mbs}, {args.steps} steps, hooks {'off' if args.no_hooks else 'on'}")
+          f"= {tokens} tokens, micro-batch {args.mbs}, {args.steps} steps, non-finite hooks {args.nonfinite_locate}")
     print(f"{'layout':14s} {'world':>5s} {'first s':>8s} {'step s':>8s} {'tok/s':>9s} {'ratio':>6s} {'peak GB':>8s} "
           f"{'loss[0]':>8s} {'loss[-1]':>8s}")
     base = None

@@ -1,8 +1,10 @@
 """Where a non-finite value comes from: the training monitor, planted faults, and replay forensics.
 
-* `NonFiniteMonitor` runs in every training step: hooks on every module fold "is this output (or the gradient
-  reaching it) non-finite?" into one running-minimum tensor, so a step costs no host sync per module; after a
-  non-finite step one `.item()` per phase names the first module (exit 16, `nonfinite.json`).
+* `NonFiniteMonitor` names the first non-finite module of a step: hooks on every module fold "is this output (or
+  the gradient reaching it) non-finite?" into one running-minimum tensor (no host sync per module), and after the
+  step one `.item()` per phase names the first event (exit 16, `nonfinite.json`). The hooks cost a reduction
+  per module output and gradient (thousands of small kernels a step), so by default the trainer attaches them
+  only to run a non-finite step again, before any update (`TrainConfig.nonfinite_locate`).
 * `PlantSpec` is the fault injection the tests and the staged bisect (`v4 nan bisect`) use: a NaN in one module's
   output or gradient at one step, optionally only under a condition (the TileLang attention, FP8 quantisation,
   bf16, recompute, a parallel layout, or rows holding one token), so that a ladder of switches has a right answer.
@@ -97,29 +99,48 @@ class NonFiniteMonitor:
 
     BIG = 1 << 62
 
-    def __init__(self, stage, enabled: bool, plants: list[PlantSpec], facts: dict | None = None):
-        self.enabled, self.step_no = enabled, 0
+    def __init__(self, stage, plants: list[PlantSpec], facts: dict | None = None):
+        self.stage, self.step_no = stage, 0
         self.plants = [p for p in plants if p.holds(facts or {})]
         self.tokens: torch.Tensor | None = None      # the current micro-batch's input ids (token= plants)
-        self.handles = []
+        self.handles = []                            # the planted faults' hooks: for the trainer's lifetime
+        self.watching: list = []                     # the monitor's hooks while attached
         self.reset()
         mods = dict(stage.named_modules())
         for plant in plants:
             if plant.module not in mods and plant.module != "" and self._plant_here(stage, plant.module):
                 raise ValueError(f"{PLANT_ENV}: no module named {plant.module!r}; names look like "
                                  f"'layers.1.attn', 'layers.0.ffn.experts.3.w1', 'head'")
-        for name, mod in mods.items():
-            if not name:
-                continue
-            for plant in self.plants:
-                if name == plant.module:
-                    self.handles.append(mod.register_forward_hook(self._planter(plant)))
-            if enabled:
-                self.handles.append(mod.register_forward_hook(self._forward_hook(name)))
-        if enabled:
-            for name, p in stage.named_parameters():
-                if p.requires_grad:
-                    self.handles.append(p.register_hook(self._grad_hook(name.rsplit(".", 1)[0] or name, "param_grad")))
+        for plant in self.plants:
+            if plant.module and plant.module in mods:
+                self.handles.append(mods[plant.module].register_forward_hook(self._planter(plant)))
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.watching)
+
+    def attach(self) -> None:
+        """Hooks on every module output, module-output gradient and parameter gradient. Registered after the
+        planted faults' hooks, so that a module's own planted NaN is seen at that module."""
+        if self.watching:
+            return
+        for name, mod in self.stage.named_modules():
+            if name:
+                self.watching.append(mod.register_forward_hook(self._forward_hook(name)))
+        for name, p in self.stage.named_parameters():
+            if p.requires_grad:
+                self.watching.append(p.register_hook(self._grad_hook(name.rsplit(".", 1)[0] or name, "param_grad")))
+
+    def detach(self) -> None:
+        for h in self.watching:
+            h.remove()
+        self.watching.clear()
+
+    def close(self) -> None:
+        self.detach()
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
     @staticmethod
     def _plant_here(stage, module: str) -> bool:

@@ -238,14 +238,16 @@ class StepRow:
 
 def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps: int, warmup: int, device: str,
                recompute: str = "none", peak_tflops: float = 0.0, variants: list[dict] | None = None,
-               profile: str = "last", top: int = 0, seed: int = 1234, say=print) -> dict:
+               profile: str = "last", top: int = 0, seed: int = 1234, hooks: bool = False, say=print) -> dict:
     """Time `steps` training steps after `warmup` (one process, world size 1, the real Trainer: megatron-core's
     DDP, optimizer and schedule) for each variant, and profile one more step (`profile`: of the "last" variant, of
     "each", or "none"); the longest `top` kernels are listed for the last variant.
 
     A variant sets ModelConfig fields that only choose how the same math runs (config.RUNTIME_SWITCHES) on the
     trainer's own config, so every variant runs in one process on the same data; each row's loss is taken on
-    one fixed batch with the starting weights before anything trains, so the losses differ only by numerics."""
+    one fixed batch with the starting weights before anything trains, so the losses differ only by numerics.
+    `hooks`: one more row, the last variant with the non-finite monitor's hooks on every module (what each step
+    costs under PRESET_NONFINITE_LOCATE=every_step; the default attaches them only to re-run a bad step)."""
     import statistics
 
     from dsv4.config import RUNTIME_SWITCHES
@@ -258,8 +260,8 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
     init_parallel(Layout(), seed)
     variants = variants or [{}]
     tc = TrainConfig(model=cfg, seq_len=seq_len, micro_batch_size=micro_batch, global_batch_size=global_batch,
-                     num_steps=len(variants) * (warmup + steps) + 1, lr=1e-5, seed=seed, device=device,
-                     recompute=recompute, nonfinite_hooks=False, peak_tflops=peak_tflops)
+                     num_steps=(len(variants) + hooks) * (warmup + steps) + 1, lr=1e-5, seed=seed, device=device,
+                     recompute=recompute, nonfinite_locate="off", peak_tflops=peak_tflops)
     say(f"[bench] building the trainer: {cfg.n_layers} layers, {cfg.n_routed_experts} experts, {device}")
     trainer = Trainer(tc)
     g = torch.Generator().manual_seed(seed)
@@ -281,18 +283,22 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
         apply(v)
         losses.append(trainer.eval_loss(fixed)[0])
     rows, kernels = [], []
-    for v, loss in zip(variants, losses):
+    runs = list(zip(variants, losses)) + ([(variants[-1], losses[-1])] if hooks else [])
+    for i, (v, loss) in enumerate(runs):
         apply(v)
         name = " ".join(f"{k}={val}" for k, val in v.items()) or " ".join(
             f"{k}={getattr(cfg, k)}" for k in RUNTIME_SWITCHES)
+        if i == len(variants):
+            name += " + non-finite hooks"
+            trainer.monitor.attach()
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = []
-        for i in range(warmup + steps):
+        for j in range(warmup + steps):
             res = trainer.step(batch())
             if not res.finite:
                 raise RuntimeError(f"{name}: a non-finite step (loss {res.loss})")
-            if i >= warmup:
+            if j >= warmup:
                 times.append(res.step_time_s)
         t = statistics.median(times)
         tflops = flops * tokens / t / 1e12
@@ -300,7 +306,10 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
                             peak_memory_gb(device)))
         say(f"[bench] {name}: {t:.3f} s/step, {tokens / t:,.0f} tokens/s, {tflops:.1f} TFLOP/s"
             + (f", MFU {tflops / peak_tflops:.1%}" if peak_tflops else ""))
-        last = v is variants[-1]
+        if i == len(variants):
+            trainer.monitor.detach()
+            continue                    # timed only: the profile is of the variants as runs train them
+        last = i == len(variants) - 1
         if profile == "each" or (profile == "last" and last):
             rows[-1].parts, rows[-1].profiled_wall_s, found = _profiled_step(trainer, batch(), device,
                                                                              top if last else 0)

@@ -40,6 +40,9 @@ LATEST = "latest_checkpointed_iteration.txt"
 
 
 # ================================================================================================ config
+NONFINITE_LOCATE = ("rerun", "every_step", "off")
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig
@@ -63,7 +66,10 @@ class TrainConfig:
     distributed_optimizer: bool = False
     recompute: str = "none"               # none | full (recompute each transformer block in backward)
     device: str = "cpu"                   # cpu | cuda
-    nonfinite_hooks: bool = True          # per-module hooks that name the first non-finite output/gradient
+    # how a non-finite step's first module is named (hooks on every module output and gradient):
+    # rerun: the step runs again with the hooks, before any update (free while steps are finite);
+    # every_step: hooks always on (names a fault that does not repeat); off: exit 16 without a module
+    nonfinite_locate: str = "rerun"
     peak_tflops: float = 0.0              # dense bf16 peak of one device: MFU's denominator (0: no MFU)
 
     def micro_batches_per_step(self, dp: int) -> int:
@@ -255,8 +261,12 @@ class Trainer:
             self.optimizer, init_lr=0.0 if tc.lr_warmup_iters else tc.lr, max_lr=tc.lr, min_lr=tc.min_lr,
             lr_warmup_steps=tc.lr_warmup_iters, lr_decay_steps=decay_steps, lr_decay_style=tc.lr_decay_style,
             start_wd=tc.weight_decay, end_wd=tc.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
-        self.monitor = NonFiniteMonitor(stage, tc.nonfinite_hooks, PlantSpec.from_env(),
+        if tc.nonfinite_locate not in NONFINITE_LOCATE:
+            raise ValueError(f"nonfinite_locate={tc.nonfinite_locate!r}: one of {', '.join(NONFINITE_LOCATE)}")
+        self.monitor = NonFiniteMonitor(stage, PlantSpec.from_env(),
                                         run_facts(cfg, tc.layout, tc.recompute, self.ranks.world))
+        if tc.nonfinite_locate == "every_step":
+            self.monitor.attach()
         self.iteration = 0
 
     # ---------------------------------------------------------------------------------- one step
@@ -296,27 +306,21 @@ class Trainer:
     def step(self, micro_batches: list[dict], update: bool = True, on_grads: Callable | None = None) -> StepResult:
         """One optimizer step over this DP rank's micro-batches (each {tokens [b, S+1], loss_mask [b, S]}).
         update=False stops after the gradients; on_grads() runs once they are reduced (tests read them)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
         if len(micro_batches) != self.n_micro:
             raise ValueError(f"step needs {self.n_micro} micro-batches on this rank, got {len(micro_batches)}")
         t0 = time.perf_counter()
         self.monitor.step_no = self.iteration + 1
         self.monitor.reset()
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self.ddp.train()
-        store = get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
-            num_microbatches=self.n_micro, seq_length=self.tc.seq_len,
-            micro_batch_size=self.tc.micro_batch_size, forward_only=False)
-        loss, mtp, n_tok = self._reduce_losses(store)
+        loss, mtp, n_tok = self._forward_backward(micro_batches)
         if on_grads is not None:
             on_grads()
         grads_finite = self._grads_finite()
         finite = math.isfinite(loss) and grads_finite
         grad_norm, lr = float("nan"), self.optimizer.param_groups[0]["lr"]
+        updated = False
         if finite and update:
             ok, grad_norm, _ = self.optimizer.step()
+            updated = bool(ok)
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             finite = bool(ok) and math.isfinite(grad_norm)
             if finite:
@@ -329,8 +333,29 @@ class Trainer:
         res = StepResult(loss, mtp if self.stage.train_mtp else None, grad_norm, lr, n_tok,
                          time.perf_counter() - t0, finite)
         if not finite:
-            res.nonfinite = self._locate_nonfinite(res)
+            rerun = self.tc.nonfinite_locate == "rerun" and not updated
+            if rerun:       # the weights are the step's own: its faults (and the planted ones) come back
+                self.monitor.reset()
+                self.monitor.attach()
+                try:
+                    self._forward_backward(micro_batches)
+                finally:
+                    self.monitor.detach()
+            res.nonfinite = self._locate_nonfinite(res, rerun)
         return res
+
+    def _forward_backward(self, micro_batches: list[dict]) -> tuple[float, float, int]:
+        """Megatron's forward/backward schedule over the micro-batches into freshly zeroed gradient buffers;
+        the reduced (loss, MTP loss, loss tokens)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.ddp.train()
+        store = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
+            num_microbatches=self.n_micro, seq_length=self.tc.seq_len,
+            micro_batch_size=self.tc.micro_batch_size, forward_only=False)
+        return self._reduce_losses(store)
 
     def _reduce_losses(self, store) -> tuple[float, float, int]:
         """Sum the last stage's per-micro-batch loss sums over DP and CP and share them with every rank."""
@@ -347,11 +372,15 @@ class Trainer:
         return "cuda" if self.tc.device == "cuda" else "cpu"
 
     def _grads_finite(self) -> bool:
+        """Every rank's gradients finite (one all-reduce). Megatron's DDP keeps them in a few flat buffers
+        (each parameter's main_grad a view): one reduction per buffer, not several kernels per parameter."""
+        bufs = [b.grad_data for b in self.ddp.buffers + self.ddp.expert_parallel_buffers]
+        if not bufs:
+            bufs = [p.main_grad for p in self.stage.parameters()
+                    if p.requires_grad and getattr(p, "main_grad", None) is not None]
         bad = torch.zeros((), device=self._comm_device())
-        for p in self.stage.parameters():
-            g = getattr(p, "main_grad", None)
-            if p.requires_grad and g is not None:
-                bad = bad + (~torch.isfinite(g)).any().float()
+        for g in bufs:
+            bad = bad + (~torch.isfinite(g)).any().float()
         dist.all_reduce(bad)
         return bad.item() == 0
 
@@ -376,9 +405,10 @@ class Trainer:
             return self.ranks.edp_rank == 0
         return self.ranks.dp_cp_rank == 0 and (getattr(p, "tensor_model_parallel", False) or self.ranks.tp_rank == 0)
 
-    def _locate_nonfinite(self, res: StepResult) -> dict:
+    def _locate_nonfinite(self, res: StepResult, rerun: bool) -> dict:
         """The first non-finite module: earliest forward output on the earliest pipeline stage; else the
-        first backward event on the latest stage (backward runs from the last stage to the first)."""
+        first backward event on the latest stage (backward runs from the last stage to the first). `rerun`:
+        the events come from the step's second run (a fault that did not come back names no module)."""
         mine = {"rank": self.ranks.rank, "pp_rank": self.ranks.pp_rank, "tp_rank": self.ranks.tp_rank,
                 "dp_rank": self.ranks.dp_rank}
         for phase in ("forward", "backward"):
@@ -396,10 +426,16 @@ class Trainer:
             first = {"phase": "backward", **r["backward"], "rank": r["rank"]}
         else:
             where = "loss" if not math.isfinite(res.loss) else "gradient after reduction"
+            note = (" when the step ran again with the hooks: the fault did not repeat (TrainConfig."
+                    "nonfinite_locate='every_step' watches every step's first run)" if rerun else
+                    " (hooks off)" if self.tc.nonfinite_locate == "off" else
+                    " (the update had run, so the step could not run again)" if self.tc.nonfinite_locate == "rerun"
+                    else "")
             first = {"phase": "unknown", "module": None, "kind": where, "rank": None,
-                     "note": "no module hook fired" + ("" if self.tc.nonfinite_hooks else " (hooks disabled)")}
+                     "note": "no module hook fired" + note}
         return {"step": self.iteration + 1, "rank": first["rank"], "module": first["module"],
-                "phase": first["phase"], "kind": first["kind"], "loss": res.loss, "per_rank": everyone}
+                "phase": first["phase"], "kind": first["kind"], "note": first.get("note", ""), "loss": res.loss,
+                "located_by": "rerun" if rerun else self.tc.nonfinite_locate, "per_rank": everyone}
 
     # ---------------------------------------------------------------------------------- eval
     @torch.no_grad()
@@ -486,8 +522,7 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        for h in self.monitor.handles:
-            h.remove()
+        self.monitor.close()
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -398,9 +398,12 @@ def peak_tflops_of(device_name: str) -> float:
 @click.option("--profile", "profile", type=click.Choice(["last", "each", "none"]), default="last", show_default=True,
               help="profile one more step of the last variant, of each (their tables side by side; reading a "
                    "profile takes ~30 s on the GPU), or none")
+@click.option("--nonfinite-hooks", "hooks", is_flag=True,
+              help="one more row: the last variant with the non-finite hooks on every module, as "
+                   "PRESET_NONFINITE_LOCATE=every_step trains (the default attaches them only to re-run a bad step)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
 def bench_step(device, model, model_overrides, attn_impl, seq_len, global_batch, micro_batch, recompute, warmup,
-               steps, compare, top, peak_tflops, profile, as_json):
+               steps, compare, top, peak_tflops, profile, hooks, as_json):
     """Training step speed: tokens/s, TFLOP/s and MFU of the real trainer (megatron-core DDP and optimizer, one
     process), and a profiled step's device time by part of the model (attention, indexer, compressors,
     hyper-connections, norms, router and dispatch, expert GEMMs, LM head and loss, optimizer, communication,
@@ -426,7 +429,8 @@ def bench_step(device, model, model_overrides, attn_impl, seq_len, global_batch,
         res = stepprof.bench_step(cfg, seq_len=seq_len or (4096 if cuda else 64),
                                   global_batch=global_batch or (8 if cuda else 2), micro_batch=micro_batch,
                                   steps=steps, warmup=warmup, device=dev, recompute=recompute,
-                                  peak_tflops=peak_tflops, variants=variants, profile=profile, top=top, say=say)
+                                  peak_tflops=peak_tflops, variants=variants, profile=profile, top=top,
+                                  hooks=hooks, say=say)
     finally:
         import torch.distributed as dist
         if dist.is_initialized():      # left initialized, NCCL's exit can hang the process after its output
@@ -448,15 +452,17 @@ def bench_step(device, model, model_overrides, attn_impl, seq_len, global_batch,
         label = f"({i + 1}) {r.variant}" if len(rows) > 1 else r.variant
         click.echo(f"{label:<{w}} {r.step_s:>8.3f} {r.tokens_per_s:>10,.0f} {r.model_tflops:>8.1f} {mfu:>6} "
                    f"{r.loss:>9.4f} {r.peak_mem_gb:>8.1f}")
-    if rows[-1].parts:
-        if sum(r.parts is not None for r in rows) > 1:
-            click.echo("\nwhere each profiled step's time goes (device ms by part; share: the last variant's):")
-            click.echo(stepprof.compare_table(rows))
-        else:
-            click.echo(f"\nwhere the profiled step's time goes ({rows[-1].variant}):")
-            click.echo(stepprof.table(rows[-1].parts, rows[-1].profiled_wall_s))
+    profiled = [i for i, r in enumerate(rows) if r.parts]          # (the hooks' row is timed only)
+    if len(profiled) > 1:
+        click.echo("\nwhere each profiled step's time goes (device ms by part; share: the last variant's):")
+        click.echo(stepprof.compare_table(rows))
+    elif profiled:
+        r = rows[profiled[0]]
+        click.echo(f"\nwhere the profiled step's time goes ({r.variant}):")
+        click.echo(stepprof.table(r.parts, r.profiled_wall_s))
     if res["top_kernels"]:
-        click.echo(f"\nthe {len(res['top_kernels'])} longest kernels of ({len(rows)}) (total over the profiled step):")
+        click.echo(f"\nthe {len(res['top_kernels'])} longest kernels of ({profiled[-1] + 1}) (total over the profiled "
+                   "step):")
         click.echo(stepprof.kernel_table(res["top_kernels"]))
 
 

@@ -206,6 +206,10 @@ KEYS: list[Key] = [
        "gate baseline: relative tolerance per metric (0: bit-identical)"),
     _k("PRESET_PLANT_NAN", "str", "", "preset", "fault injection for tests: MODULE:STEP[:forward|backward][@COND,...] makes that module's output NaN at "
        "that step (docs/nan.md)"),
+    _k("PRESET_NONFINITE_LOCATE", "enum", "rerun", "preset",
+       "how exit 16 names the first non-finite module: rerun runs the bad step again with hooks on every module "
+       "(free while steps are finite), every_step keeps them on (a fault that does not repeat), off names none",
+       ("rerun", "every_step", "off")),
     _k("PRESET_JOB_TIMEOUT", "float", 3600, "preset", "seconds a pipeline step may run before it is stopped"),
     # --- RL (PRESET_MODE=rl; docs/rl.md) ----------------------------------------------------------
     _k("PRESET_RL_TASK", "str", "echo", "preset", "prompts and reward: echo, copy, math (dsv4/rl/tasks.py)"),

@@ -131,6 +131,7 @@ def test_planted_nan_stops_with_exit_16_naming_the_module(converted, tmp_path):
     assert p.returncode == 16, p.stderr[-3000:]
     info = json.loads((run / "steps" / "train" / "nonfinite.json").read_text())
     assert (info["step"], info["module"], info["phase"], info["rank"]) == (2, "layers.1.attn", "forward", 0)
+    assert info["located_by"] == "rerun"                # the hooks came on for the bad step's second run only
     assert sorted(metrics(run)) == [1]                  # step 2 never reached the metrics
     assert not (run / "steps" / "train" / ".v4-done.json").exists()
 
@@ -154,6 +155,7 @@ def test_two_ranks_backward_nan(converted, tmp_path, executor):
     assert (run / "checkpoints" / "iter_0000001").is_dir()
     info = json.loads((run / "steps" / "train" / "nonfinite.json").read_text())
     assert (info["step"], info["module"], info["phase"]) == (2, "layers.2.ffn.shared_experts.w2", "backward")
+    assert info["located_by"] == "rerun"
     assert len(info["per_rank"]) == 2
 
 

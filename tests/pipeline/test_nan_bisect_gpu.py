@@ -35,6 +35,10 @@ def v4(work: Path, *args, timeout=900):
 def test_a_tilelang_only_nan_ends_in_the_kernel_report(tmp_path):
     work = Path(os.environ.get("V4_TEST_WORK", tmp_path))
     args = ["run", "--preset", "smoke", "--force"]
+    if torch.cuda.is_initialized():
+        # GPU tests before this one ran in this process: its CUDA context (a few hundred MiB once they gave their
+        # cache back) is GPU memory held by another process, which the preflight's gpu_memory check refuses
+        args += ["--skip-check", "gpu_memory"]
     for s in SETS:
         args += ["--set", s]
     r = v4(work, *args)
