@@ -426,8 +426,8 @@ class Trainer:
             first = {"phase": "backward", **r["backward"], "rank": r["rank"]}
         else:
             where = "loss" if not math.isfinite(res.loss) else "gradient after reduction"
-            note = (" when the step ran again with the hooks: the fault did not repeat (TrainConfig."
-                    "nonfinite_locate='every_step' watches every step's first run)" if rerun else
+            note = (" when the step ran again with the hooks: the fault did not repeat (nonfinite_locate="
+                    "'every_step', PRESET_NONFINITE_LOCATE in a run, watches each step's first run)" if rerun else
                     " (hooks off)" if self.tc.nonfinite_locate == "off" else
                     " (the update had run, so the step could not run again)" if self.tc.nonfinite_locate == "rerun"
                     else "")
