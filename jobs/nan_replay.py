@@ -168,6 +168,8 @@ def main(argv=None) -> int:
         if cfg.get("PRESET_MODE") == "rl":
             raise ValueError("replaying an RL step is not supported: its batch comes from the rollout engine")
         tc = apply_switches(train_config(cfg), rung.get("switches", []), rung.get("cut_layers"))
+        # the replay's one run is watched (with the forensics): running a bad step again would double the rung
+        tc = replace(tc, nonfinite_locate="every_step")
         world = 1 if "layout_1" in rung.get("switches", []) else world_size(cfg)
         tc.layout.validate(tc.model, world, tc.seq_len)
     except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError) as e:
