@@ -372,8 +372,10 @@ def _job(cfg, run, step: Step, jobs, resume_cmd: str = "") -> None:
     if outcome.exit_code == NONFINITE:
         nf = run.dir / "steps" / step.name / "nonfinite.json"
         where = json.loads(nf.read_text()) if nf.is_file() else {}
+        first = (f"first module {where['module']}" if where.get("module") else
+                 f"no module named ({where['note']})" if where.get("note") else "first module ?")
         raise NonFiniteError(f"{step.name}: non-finite loss/gradient at step {where.get('step', '?')}, rank "
-                             f"{where.get('rank', '?')}, first module {where.get('module', '?')}",
+                             f"{where.get('rank', '?')}, {first}",
                              fix=f"see {nf}; find the cause (replays the step, switch by switch): "
                                  f"{' '.join(['v4 nan bisect', run.id, *config_flags(cfg)])}")
     if outcome.exit_code == TIMEOUT or outcome.status == "TIMEOUT":

@@ -630,7 +630,8 @@ def _stop_nonfinite(trainer: Trainer, res: StepResult, out: Outputs, say, micro:
     skipped, so they are the trainer's now) as a checkpoint unless the latest one is them, and each data-parallel
     rank's rows of the step by content hash, so that `v4 nan bisect` can check it replays the same data."""
     info = res.nonfinite
-    where = f"module {info['module']!r} ({info['phase']} {info['kind']})" if info["module"] else info["kind"]
+    where = (f"module {info['module']!r} ({info['phase']} {info['kind']})" if info["module"] else
+             f"{info['kind']} ({info['note']})" if info.get("note") else info["kind"])
     say(f"error: non-finite loss or gradient at step {info['step']} (loss {res.loss}); first at {where} "
         f"on rank {info['rank']}; stopping with exit code {EXIT_NONFINITE}")
     capture = None
