@@ -556,8 +556,8 @@ class DequantSummary:
     n_shards: int
     shards_written: int
     shards_skipped: int
-    bytes_in: int
-    bytes_out: int
+    bytes_in: int                  # the whole source's
+    bytes_out: int                 # of the shards this call covers: all of them, or a `part`'s
     names: str
     complete: bool = True          # False after a `part`: the index is not written yet
 
@@ -681,8 +681,8 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, force: bool = False,
             written += 1
 
     if part is not None:                   # the call without a part finishes the conversion
-        return DequantSummary(str(src), str(dst), len(shapes), len(groups), written, skipped, bytes_in, bytes_out,
-                              names, complete=False)
+        return DequantSummary(str(src), str(dst), len(shapes), len(groups), written, skipped, bytes_in, goal, names,
+                              complete=False)
 
     # ---- side files, then the index (its presence marks a finished conversion)
     out_cfg = dict(hf_cfg)

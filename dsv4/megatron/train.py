@@ -374,12 +374,8 @@ class Trainer:
     def _grads_finite(self) -> bool:
         """Every rank's gradients finite (one all-reduce). Megatron's DDP keeps them in a few flat buffers
         (each parameter's main_grad a view): one reduction per buffer, not several kernels per parameter."""
-        bufs = [b.grad_data for b in self.ddp.buffers + self.ddp.expert_parallel_buffers]
-        if not bufs:
-            bufs = [p.main_grad for p in self.stage.parameters()
-                    if p.requires_grad and getattr(p, "main_grad", None) is not None]
         bad = torch.zeros((), device=self._comm_device())
-        for g in bufs:
+        for g in (b.grad_data for b in self.ddp.buffers + self.ddp.expert_parallel_buffers):
             bad = bad + (~torch.isfinite(g)).any().float()
         dist.all_reduce(bad)
         return bad.item() == 0

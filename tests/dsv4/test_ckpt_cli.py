@@ -45,7 +45,7 @@ def test_dequantize_in_parts_then_finish(tmp_path):
     whole = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "one"), *shard, "--json"])
     n = json.loads(whole.stdout)["shards"]
     assert n >= 3, whole.output
-    written = []
+    written, part_bytes = [], []
     for i in range(2):
         p = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "two"), *shard, "--part", f"{i}/2",
                             "--json"])
@@ -53,7 +53,9 @@ def test_dequantize_in_parts_then_finish(tmp_path):
         s = json.loads(p.stdout)
         assert not s["complete"] and not (tmp_path / "two" / "model.safetensors.index.json").exists()
         written.append(s["shards_written"])
+        part_bytes.append(s["bytes_out"])                             # each part counts its own shards' bytes
     assert written == [(n + 1) // 2, n // 2]
+    assert sum(part_bytes) == json.loads(whole.stdout)["bytes_out"] and all(b > 0 for b in part_bytes)
     text = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "two"), *shard, "--part", "1/2"])
     assert text.exit_code == 0 and f"v4 ckpt dequantize {tmp_path / 'g'} {tmp_path / 'two'}" in text.stdout
     fin = r.invoke(ckpt, ["dequantize", str(tmp_path / "g"), str(tmp_path / "two"), *shard, "--json"])

@@ -50,10 +50,10 @@ def test_rl_smoke_learns_and_passes_its_gates(work):
         assert all(m[k] == m[k] for k in ("loss", "grad_norm", "reward_mean", "sync_gb_s", "rollout_tokens_per_s"))
 
 
-@pytest.mark.parametrize("minibatches", [2])
-def test_a_killed_rl_run_resumes_with_the_same_prompts_and_seeds(work, minibatches):
-    """With two updates per rollout the checkpoints count updates (6 at step 3): the resume maps them back. (One
-    update per rollout is the same path with a map of 1; it ran here too until CI's time asked for one case.)"""
+def test_a_killed_rl_run_resumes_with_the_same_prompts_and_seeds(work):
+    """With two updates per rollout the checkpoints count updates (6 at step 3): the resume maps them back. One
+    update per rollout is the same path with a map of 1."""
+    minibatches = 2
     common = ("--set", "V4_EXECUTOR=local", "--set", "PRESET_NUM_STEPS=6", "--set", "PRESET_SAVE_INTERVAL=3",
               "--set", "PRESET_GATES=finite_loss", "--set", f"PRESET_RL_MINIBATCHES={minibatches}")
     whole = v4(work, "run", "--preset", "rl_smoke", "--json", *common)
