@@ -282,12 +282,15 @@ class ShardWriter:
         self._thread.start()
 
     def _drain(self) -> None:
-        while (t := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            t, release = item
             if self._error is None:             # after a failed write, keep taking tensors so no put() blocks
                 try:
                     self.f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))   # no extra copy
                 except BaseException as e:      # noqa: BLE001 -- raised again in the caller's thread
                     self._error = e
+            if release is not None:
+                release(t)
 
     def _join(self) -> None:
         if self._thread.is_alive():
@@ -296,14 +299,15 @@ class ShardWriter:
         if self._error is not None:
             raise self._error
 
-    def write(self, name: str, t: torch.Tensor) -> None:
+    def write(self, name: str, t: torch.Tensor, release: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Queues t for the file; `release(t)` is called once its bytes are written (t's memory may be reused)."""
         want_name, dtype, shape = self.entries[self.next]
         if name != want_name or _ST_DTYPES.get(t.dtype) != dtype or tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{self.path.name}: expected {want_name} {dtype} {list(shape)}, got {name} "
                                   f"{_ST_DTYPES.get(t.dtype, t.dtype)} {list(t.shape)}")
         if self._error is not None:
             raise self._error
-        self._queue.put(t.detach().contiguous())
+        self._queue.put((t.detach().contiguous(), release))
         self.next += 1
 
     def close(self) -> None:
@@ -708,15 +712,38 @@ def clear_conversion(dst: str | Path) -> None:
 
 
 def _dequantize_param(name: str, fmt: str, tensors: dict[str, SourceTensor], raw_name: dict[str, str],
-                      reader: _Reader) -> torch.Tensor:
+                      reader: _Reader, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The parameter in bf16 if it is quantized (into `out` if given), else as stored."""
     w = reader.get(tensors[name], raw_name[name])
     if fmt == "fp8":
         s = reader.get(tensors[_scale_name(name)], raw_name[_scale_name(name)])
-        return quant.weight_dequant_fp8(w, s, 128, torch.bfloat16)
+        return quant.weight_dequant_fp8(w, s, 128, torch.bfloat16, out=out)
     if fmt == "fp4":
         s = reader.get(tensors[_scale_name(name)], raw_name[_scale_name(name)])
-        return quant.mxfp4_dequant(w, s, torch.bfloat16)
+        return quant.mxfp4_dequant(w, s, torch.bfloat16, out=out)
     return w
+
+
+class _Buffers:
+    """Output tensors to use again once the shard writer has their bytes in the file. A fresh allocation's first
+    touch costs the kernel a page fault (and zeroing) every 4 KB, as much as the dequantizing itself (docs/dsv4.md).
+    Routed experts and layers repeat shapes, so a few buffers a shape serve a whole shard."""
+
+    def __init__(self, keep: int = 2):
+        self.keep, self.free, self.lock = keep, {}, threading.Lock()
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        with self.lock:
+            stack = self.free.get((shape, dtype))
+            if stack:
+                return stack.pop()
+        return torch.empty(shape, dtype=dtype)
+
+    def put(self, t: torch.Tensor) -> None:
+        with self.lock:
+            stack = self.free.setdefault((tuple(t.shape), t.dtype), [])
+            if len(stack) < self.keep:
+                stack.append(t)
 
 
 def default_workers() -> int:
@@ -733,13 +760,15 @@ class _ShardJob:
 
     def __call__(self, final: Path, entries: list, params: list, reader: "_Reader | None" = None,
                  progress: Callable[[str, int], None] | None = None) -> int:
-        reader, written = reader or _Reader(), 0
+        reader, written, buffers = reader or _Reader(), 0, _Buffers()
         with ShardWriter(final, entries) as writer:
             for p, (n, dtype, shape) in zip(params, entries):
-                t = _dequantize_param(p, self.formats[p], self.tensors, self.raw_name, reader)
+                quantized = self.formats[p] in ("fp8", "fp4")     # into a buffer of ours, so it can be reused
+                out = buffers.get(shape, torch.bfloat16) if quantized and dtype == "BF16" else None
+                t = _dequantize_param(p, self.formats[p], self.tensors, self.raw_name, reader, out)
                 if tuple(t.shape) != shape:
                     raise CheckpointError(f"{p}: dequantized to {list(t.shape)}, config expects {list(shape)}")
-                writer.write(n, t.to(_TORCH_DTYPES[dtype]))
+                writer.write(n, t.to(_TORCH_DTYPES[dtype]), release=buffers.put if out is not None else None)
                 written += _nbytes(dtype, shape)
                 if progress:
                     progress(n, written)

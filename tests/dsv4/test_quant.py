@@ -145,3 +145,22 @@ def test_fast_dequant_paths_are_exact_on_every_code():
     want = quant.fp4_dequant(quant.fp4_unpack(packed), s4, 32)
     assert torch.equal(quant.mxfp4_dequant(packed, s4, torch.float32), want)
     assert torch.equal(quant.mxfp4_dequant(packed, s4).float(), want)
+
+
+@pytest.mark.parametrize("shape", [(256, 8192), (384, 512)], ids=["chunks-inside-a-block-row", "whole-block-rows"])
+def test_fast_dequant_in_chunks_matches_plain_arithmetic(shape):
+    """The fast paths work through the weight in cache-sized chunks of rows (part of a 128-row block when k is wide);
+    every chunk must meet its own scales, and a NaN code past the first chunk must still come out NaN."""
+    n, k = shape
+    q8 = (torch.randn(n, k, generator=G) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q8.view(torch.uint8)[n - 1, k - 1] = 0xFF                                   # a NaN code in the last chunk
+    s = quant.to_e8m0(2.0 ** torch.randint(-12, 6, (n // 128, k // 128), generator=G).float())
+    fast = quant.weight_dequant_fp8(q8, s, dtype=torch.bfloat16).float()
+    slow = q8.float() * quant.from_e8m0(s).repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert fast[-1, -1].isnan() and int(fast.isnan().sum()) == 1
+    assert torch.equal(fast.nan_to_num(), slow.nan_to_num())
+    packed = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8, generator=G)
+    s4 = quant.to_e8m0(2.0 ** torch.randint(-20, 7, (n, k // 32), generator=G).float())
+    want = quant.fp4_dequant(quant.fp4_unpack(packed), s4, 32)
+    got = quant.mxfp4_dequant(packed, s4)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and torch.equal(got.float(), want)
