@@ -727,23 +727,27 @@ def _dequantize_param(name: str, fmt: str, tensors: dict[str, SourceTensor], raw
 class _Buffers:
     """Output tensors to use again once the shard writer has their bytes in the file. A fresh allocation's first
     touch costs the kernel a page fault (and zeroing) every 4 KB, as much as the dequantizing itself (docs/dsv4.md).
-    Routed experts and layers repeat shapes, so a few buffers a shape serve a whole shard."""
+    Routed experts and layers repeat shapes, so a few buffers a shape serve a whole shard; at most `keep` a shape
+    and `max_bytes` in all are held, so a shard of many shapes does not hold a copy of each."""
 
-    def __init__(self, keep: int = 2):
-        self.keep, self.free, self.lock = keep, {}, threading.Lock()
+    def __init__(self, keep: int = 2, max_bytes: int = 1 << 30):
+        self.keep, self.max_bytes, self.held, self.free, self.lock = keep, max_bytes, 0, {}, threading.Lock()
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         with self.lock:
             stack = self.free.get((shape, dtype))
             if stack:
-                return stack.pop()
+                t = stack.pop()
+                self.held -= t.nbytes
+                return t
         return torch.empty(shape, dtype=dtype)
 
     def put(self, t: torch.Tensor) -> None:
         with self.lock:
             stack = self.free.setdefault((tuple(t.shape), t.dtype), [])
-            if len(stack) < self.keep:
+            if len(stack) < self.keep and self.held + t.nbytes <= self.max_bytes:
                 stack.append(t)
+                self.held += t.nbytes
 
 
 def default_workers() -> int:

@@ -332,3 +332,19 @@ def test_shard_writer_writes_what_safetensors_reads(tmp_path):
     back = load_file(str(final))
     assert back.keys() == ts.keys() and all(torch.equal(back[n], ts[n]) for n in ts)
     assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]
+
+
+def test_output_buffers_are_reused_within_their_bounds():
+    """The dequantizer's buffer pool gives back a written tensor of the same shape, and holds at most `keep` a shape
+    and `max_bytes` in all (a shard of many shapes must not keep a copy of each)."""
+    pool = ck._Buffers(keep=2, max_bytes=3000)
+    a = [torch.empty(10, 50, dtype=torch.bfloat16) for _ in range(3)]          # 1000 bytes each
+    for t in a:
+        pool.put(t)
+    assert pool.held == 2000                                                     # the third: over `keep`
+    pool.put(torch.empty(5, 100, dtype=torch.bfloat16))
+    pool.put(torch.empty(5, 100, dtype=torch.bfloat16))                          # over max_bytes: dropped
+    assert pool.held == 3000
+    assert pool.get((10, 50), torch.bfloat16) is a[1] and pool.held == 2000
+    fresh = pool.get((7, 7), torch.bfloat16)
+    assert fresh.shape == (7, 7) and pool.held == 2000
