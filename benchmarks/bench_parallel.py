@@ -81,6 +81,8 @@ def _worker(rank, world, port, args, name, out):
 
 
 def main() -> None:
+    from dsv4.megatron.train import NONFINITE_LOCATE
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--overrides", default="")
@@ -94,7 +96,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--mtp", type=float, default=0.0, help="MTP loss weight (0: MTP not run)")
     ap.add_argument("--recompute", default="none", choices=("none", "full"))
-    ap.add_argument("--nonfinite-locate", default="rerun", choices=("rerun", "every_step", "off"),
+    ap.add_argument("--nonfinite-locate", default="rerun", choices=NONFINITE_LOCATE,
                     help="the non-finite module hooks: on a bad step only (rerun), every step, or off")
     args = ap.parse_args()
     names = args.layouts.split(",")

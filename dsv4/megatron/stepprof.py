@@ -288,7 +288,8 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
         apply(v)
         name = " ".join(f"{k}={val}" for k, val in v.items()) or " ".join(
             f"{k}={getattr(cfg, k)}" for k in RUNTIME_SWITCHES)
-        if i == len(variants):
+        hooked = i == len(variants)            # the extra row: the last variant again, hooks on
+        if hooked:
             name += " + non-finite hooks"
             trainer.monitor.attach()
         if device == "cuda":
@@ -306,7 +307,7 @@ def bench_step(cfg, *, seq_len: int, global_batch: int, micro_batch: int, steps:
                             peak_memory_gb(device)))
         say(f"[bench] {name}: {t:.3f} s/step, {tokens / t:,.0f} tokens/s, {tflops:.1f} TFLOP/s"
             + (f", MFU {tflops / peak_tflops:.1%}" if peak_tflops else ""))
-        if i == len(variants):
+        if hooked:
             trainer.monitor.detach()
             continue                    # timed only: the profile is of the variants as runs train them
         last = i == len(variants) - 1

@@ -422,11 +422,15 @@ class Trainer:
             first = {"phase": "backward", **r["backward"], "rank": r["rank"]}
         else:
             where = "loss" if not math.isfinite(res.loss) else "gradient after reduction"
-            note = (" when the step ran again with the hooks: the fault did not repeat (nonfinite_locate="
-                    "'every_step', PRESET_NONFINITE_LOCATE in a run, watches each step's first run)" if rerun else
-                    " (hooks off)" if self.tc.nonfinite_locate == "off" else
-                    " (the update had run, so the step could not run again)" if self.tc.nonfinite_locate == "rerun"
-                    else "")
+            if rerun:
+                note = (" when the step ran again with the hooks: the fault did not repeat (nonfinite_locate="
+                        "'every_step', PRESET_NONFINITE_LOCATE in a run, watches each step's first run)")
+            elif self.tc.nonfinite_locate == "off":
+                note = " (hooks off)"
+            elif self.tc.nonfinite_locate == "rerun":
+                note = " (the update had run, so the step could not run again)"
+            else:
+                note = ""
             first = {"phase": "unknown", "module": None, "kind": where, "rank": None,
                      "note": "no module hook fired" + note}
         return {"step": self.iteration + 1, "rank": first["rank"], "module": first["module"],

@@ -78,3 +78,11 @@ def test_a_bad_step_is_located_by_running_it_again(tmp_path):
     assert (every["nonfinite"]["module"], every["nonfinite"]["phase"]) == (MODULE, "forward")
     assert every["nonfinite"]["located_by"] == "every_step"
     assert r["off"]["nonfinite"]["module"] is None and "hooks off" in r["off"]["nonfinite"]["note"]
+
+
+def test_the_config_key_offers_the_trainers_modes():
+    """PRESET_NONFINITE_LOCATE's choices are written in the (torch-free) schema; they must be the trainer's."""
+    from dsv4.megatron.train import NONFINITE_LOCATE, TrainConfig
+    from launcher.config.schema import SCHEMA
+    key = SCHEMA["PRESET_NONFINITE_LOCATE"]
+    assert key.choices == NONFINITE_LOCATE and key.default == TrainConfig.nonfinite_locate
