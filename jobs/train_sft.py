@@ -104,7 +104,7 @@ def train_config(cfg: dict):
         save_retain_interval=cfg.get("PRESET_SAVE_RETAIN_INTERVAL", 0),
         recompute="full" if cfg.get("HW_RECOMPUTE_GRANULARITY") == "full" else "none",
         device=cfg["HW_DEVICE"], peak_tflops=float(cfg.get("HW_PEAK_TFLOPS") or 0.0),
-        nonfinite_locate=cfg.get("PRESET_NONFINITE_LOCATE") or "rerun")
+        nonfinite_locate=cfg.get("PRESET_NONFINITE_LOCATE") or TrainConfig.nonfinite_locate)   # older run configs lack it
 
 
 def world_size(cfg: dict) -> int:
