@@ -71,6 +71,7 @@ class TrainConfig:
     # every_step: hooks always on (names a fault that does not repeat); off: exit 16 without a module
     nonfinite_locate: str = "rerun"
     peak_tflops: float = 0.0              # dense bf16 peak of one device: MFU's denominator (0: no MFU)
+    adam_kernel: str = "fused"            # fused | foreach: torch's Adam kernels on CUDA (a CPU keeps foreach)
 
     def micro_batches_per_step(self, dp: int) -> int:
         if self.global_batch_size % (self.micro_batch_size * dp):
@@ -101,6 +102,23 @@ def init_distributed(rank: int, world: int, backend: str, device: str, master_ad
             bound["device_id"] = torch.device("cuda", torch.cuda.current_device())
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, **bound)
+
+
+def _fuse_adam(optimizer) -> None:
+    """Without TransformerEngine or apex, megatron falls back to torch's Adam, which then picks its foreach
+    kernels: several multi-tensor launches for each chunk of parameters and each of the update's
+    element-wise ops (22k launches a step at 32 local experts). torch's fused Adam does the same fp32 update
+    in one kernel a chunk. Its step counters live on the device, so any loaded as host scalars move there."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):      # AdamW is a subclass
+            continue
+        for group in inner.param_groups:
+            group["foreach"], group["fused"] = False, True
+            for p in group["params"]:
+                state = inner.state.get(p)
+                if state and "step" in state:
+                    state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
 
 
 def quiet_libraries() -> None:
@@ -256,11 +274,15 @@ class Trainer:
             bf16=self.config.bf16, params_dtype=self.config.params_dtype,
             use_distributed_optimizer=tc.distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        if tc.device == "cuda" and tc.adam_kernel == "fused":
+            _fuse_adam(self.optimizer)
         decay_steps = max(tc.num_steps, 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if tc.lr_warmup_iters else tc.lr, max_lr=tc.lr, min_lr=tc.min_lr,
             lr_warmup_steps=tc.lr_warmup_iters, lr_decay_steps=decay_steps, lr_decay_style=tc.lr_decay_style,
             start_wd=tc.weight_decay, end_wd=tc.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+        if tc.adam_kernel not in ("fused", "foreach"):
+            raise ValueError(f"adam_kernel={tc.adam_kernel!r}: fused or foreach")
         if tc.nonfinite_locate not in NONFINITE_LOCATE:
             raise ValueError(f"nonfinite_locate={tc.nonfinite_locate!r}: one of {', '.join(NONFINITE_LOCATE)}")
         self.monitor = NonFiniteMonitor(stage, PlantSpec.from_env(),
@@ -502,6 +524,8 @@ class Trainer:
         self.stage.load_state_dict(loaded["model"], strict=True)
         if with_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
+            if self.tc.device == "cuda" and self.tc.adam_kernel == "fused":
+                _fuse_adam(self.optimizer)       # the loaded param groups carry the saving run's choice
             self.scheduler.load_state_dict(loaded["scheduler"])
             self.iteration = int(loaded["iteration"])
         else:
