@@ -42,18 +42,42 @@ def _part(name: str) -> str:
 
 
 def attended(cfg: ModelConfig, layer_id: int, seq_len: int) -> tuple[float, float]:
-    """(slots a query attends, compressed entries the indexer scores), each averaged over positions 0..S-1."""
-    r, slots, keys = cfg.layer_ratio(layer_id), 0, 0
-    for t in range(seq_len):
-        n = (t + 1) // r if r else 0                   # complete compressed blocks up to and including t
-        slots += min(cfg.window_size, t + 1) + (min(cfg.index_topk, n) if r == 4 else n)
-        keys += n if r == 4 else 0
-    return slots / seq_len, keys / seq_len
+    """(slots a query attends, compressed entries the indexer scores), each averaged over positions 0..S-1.
+    Sums over t in closed form (a planner asks for sequences of 10^5..10^6 tokens): query t sees min(window, t+1)
+    raw rows and n(t) = (t+1)//ratio complete compressed blocks, of which a ratio-4 layer attends min(top-k, n)."""
+    r, S = cfg.layer_ratio(layer_id), seq_len
+    slots = _sum_min(S, cfg.window_size)
+    keys = 0
+    if r:
+        blocks = _sum_floor(S, r)
+        slots += _sum_floor_capped(S, r, cfg.index_topk) if r == 4 else blocks
+        keys = blocks if r == 4 else 0
+    return slots / S, keys / S
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int, mtp: bool = False) -> dict[str, float]:
-    """Forward FLOPs per token by part (PARTS)."""
-    parts: dict[str, float] = defaultdict(float)
+def _sum_min(S: int, w: int) -> int:
+    """sum of min(w, u) for u = 1..S"""
+    return S * (S + 1) // 2 if S <= w else w * (w + 1) // 2 + (S - w) * w
+
+
+def _sum_floor(S: int, r: int) -> int:
+    """sum of u // r for u = 1..S"""
+    n = S // r
+    return r * n * (n - 1) // 2 + n * (S - n * r + 1)
+
+
+def _sum_floor_capped(S: int, r: int, k: int) -> int:
+    """sum of min(k, u // r) for u = 1..S: u // r reaches k at u = k*r"""
+    if S < k * r:
+        return _sum_floor(S, r)
+    return _sum_floor(k * r - 1, r) + (S - k * r + 1) * k
+
+
+def block_flops_per_token(cfg: ModelConfig, seq_len: int, mtp: bool = False) -> dict[str, dict[str, float]]:
+    """Forward FLOPs per token by block and part: "layers.{i}" and "mtp.{k}" (their weights and attention), and
+    "top" for what sits outside the blocks (the LM head, the final hyper-connection head; with MTP its blocks'
+    logits through the shared head). Their sum is forward_flops_per_token; a pipeline planner adds up a stage's."""
+    blocks: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     share = cfg.n_activated_experts / cfg.n_routed_experts
     for name, shape in cfg.param_shapes().items():
         if len(shape) != 2 or name == "embed.weight" or name.endswith(("tid2eid", ".ape")):
@@ -61,14 +85,25 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, mtp: bool = False) -
         if name.startswith("mtp.") and not mtp:
             continue
         part = _part(name)
-        parts[part] += 2.0 * shape[0] * shape[1] * (share if part == "routed experts" else 1.0)
+        key = ".".join(name.split(".")[:2]) if name.startswith(("layers.", "mtp.")) else "top"
+        blocks[key][part] += 2.0 * shape[0] * shape[1] * (share if part == "routed experts" else 1.0)
     layers = cfg.n_layers + (cfg.n_mtp_layers if mtp else 0)
     for layer_id in range(layers):
         slots, keys = attended(cfg, layer_id, seq_len)
-        parts["sparse attention"] += 4.0 * cfg.n_heads * cfg.head_dim * slots
-        parts["indexer"] += 2.0 * cfg.index_n_heads * cfg.index_head_dim * keys
+        key = f"layers.{layer_id}" if layer_id < cfg.n_layers else f"mtp.{layer_id - cfg.n_layers}"
+        blocks[key]["sparse attention"] += 4.0 * cfg.n_heads * cfg.head_dim * slots
+        blocks[key]["indexer"] += 2.0 * cfg.index_n_heads * cfg.index_head_dim * keys
     if mtp:                                            # each MTP block has its own logits through the shared head
-        parts["lm head"] += 2.0 * cfg.dim * cfg.vocab_size * cfg.n_mtp_layers
+        blocks["top"]["lm head"] += 2.0 * cfg.dim * cfg.vocab_size * cfg.n_mtp_layers
+    return {k: {p: v[p] for p in PARTS if v.get(p)} for k, v in blocks.items()}
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, mtp: bool = False) -> dict[str, float]:
+    """Forward FLOPs per token by part (PARTS)."""
+    parts: dict[str, float] = defaultdict(float)
+    for block in block_flops_per_token(cfg, seq_len, mtp).values():
+        for p, v in block.items():
+            parts[p] += v
     return {p: parts[p] for p in PARTS if parts.get(p)}
 
 
