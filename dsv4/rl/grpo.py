@@ -13,9 +13,14 @@ Where this departs from miles/verl, and why:
   looks at the computed std): for three float64 rewards of 0.1 torch's mean is 1.4e-17 off and a
   one-row std 1.7e-17, so r - mean is not 0 and the std test can call the group live. Dead groups get
   advantage exactly 0.
-* The ratio is not clamped before `exp` (verl clamps the log-ratio to ±20) and there is no dual clip:
-  with one update per rollout the ratio stays near 1, and an overflow is a bug the `finite_loss` gate
-  should see rather than a value to hide.
+* The log-ratio is clamped to ±20 before `exp` (`LOG_RATIO_CLAMP`, as verl and miles do; slime does
+  not), and a negative advantage's loss is capped at `clip_c` (3) times |A| (verl's dual clip, on by default
+  there; miles and slime have it behind `--eps-clip-c`, off). PPO's own clip bounds every other case; for
+  A < 0 it leaves the loss at ratio * |A|, which a token the policy moved from p to p * e^29 makes ~1e12:
+  finite in fp32, so the `finite_loss` gate let it through, and one such token then sets the step's whole
+  gradient. The clamp alone would still leave e^20 ~ 5e8 there; the cap makes it 3 |A| with no gradient,
+  and the clamp keeps `exp` finite (at a log-ratio past ~88, fp32's exp is inf and the gradient NaN).
+  Moderate ratios (|log-ratio| <= 20, and ratio <= 3 where A < 0) give exactly the unbounded loss.
 * Statistics are means over all valid tokens of the batch; miles reduces them per sample first, like
   the loss. They agree when responses have equal lengths (the echo task); the token mean is the plain
   reading of "fraction of tokens clipped".
@@ -33,6 +38,11 @@ import torch
 
 # miles' low_var_kl clamp (`compute_approx_kl`), kept for the KL penalty that enters the loss.
 KL_CLAMP = 10.0
+# |log(p / p_old)| and |log(p_ref / p)| at most this before `exp`: verl's `compute_policy_loss_vanilla` and
+# `kl_penalty`, miles' `_safe_clamp_log_ratio` (math_utils.py, miles#1363)
+LOG_RATIO_CLAMP = 20.0
+# the dual clip's bound on a negative advantage's ratio (verl's clip_ratio_c default; arXiv 1912.09729)
+DUAL_CLIP = 3.0
 
 
 # ============================================================================================ advantages
@@ -82,18 +92,22 @@ def _token_mean(x: torch.Tensor, m: torch.Tensor) -> float:
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.28,
                 rollout_logp: torch.Tensor | None = None, tis_cap: float | None = None,
-                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                clip_c: float | None = DUAL_CLIP) -> tuple[torch.Tensor, dict]:
     """PPO-clip GRPO loss. logp [B,T] (with grad), old_logp [B,T], adv [B], mask [B,T] -> (loss, stats).
 
-    Per token: ratio = exp(logp - old_logp); pg = -min(ratio*A, clip(ratio, 1-clip_low, 1+clip_high)*A).
+    Per token: ratio = exp(clamp(logp - old_logp, ±20)); pg = -min(ratio*A, clip(ratio, 1-clip_low,
+    1+clip_high)*A), and where A < 0 at most clip_c * |A| (dual clip; clip_c None: no cap).
     With `tis_cap`: pg *= clamp(exp(old_logp - rollout_logp), 0, tis_cap), detached (vanilla TIS).
-    With `ref_logp`: + kl_coef * k3, k3 = exp(ref-logp) - (ref-logp) - 1 (clamped at 10, as miles).
+    With `ref_logp`: + kl_coef * k3, k3 = exp(d) - d - 1 with d = ref - logp clamped to ±20, k3 clamped at
+    10 (as miles).
     Aggregation: token mean per sample, then mean over samples that have at least one token; a batch
     without tokens gives a zero loss that still backpropagates (to zeros).
 
     stats (python floats): pg_loss, pg_clipfrac (valid tokens where the clipped branch is the one taken),
-    ppo_kl (mean old - new), tokens, samples; kl when ref_logp is given; tis_mean (mean raw, unclamped
-    weight, which shows the mismatch) and tis_clipfrac when rollout_logp is given.
+    pg_clipfrac_lower (valid tokens held at the dual clip's cap), ppo_kl (mean old - new, unclamped),
+    tokens, samples; kl when ref_logp is given; tis_mean (mean raw, unclamped weight, which shows the
+    mismatch) and tis_clipfrac when rollout_logp is given.
     """
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
@@ -104,6 +118,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
         raise ValueError("tis_cap needs rollout_logp (the engine's logprobs of the same tokens)")
     if not 0 <= clip_low < 1 or clip_high < 0:
         raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0, got {clip_low}, {clip_high}")
+    if clip_c is not None and not clip_c > 1:
+        raise ValueError(f"clip_c (the dual clip's bound on the ratio where A < 0) must be > 1, got {clip_c}")
 
     m = mask.bool()
 
@@ -112,11 +128,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
 
     lp, old = valid(logp), valid(old_logp.detach())
     a = adv.detach().float().unsqueeze(1)
-    ratio = torch.exp(lp - old)
+    ratio = torch.exp((lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     surr = ratio * a
     surr_clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
     pg = -torch.minimum(surr, surr_clipped)
     clipped = (surr_clipped < surr) & m
+    lower = torch.zeros_like(m)
+    if clip_c is not None:
+        cap = -clip_c * a                  # > 0 where A < 0
+        lower = (a < 0) & (pg > cap) & m
+        pg = torch.where(a < 0, torch.minimum(pg, cap), pg)
 
     stats: dict[str, float] = {}
     if rollout_logp is not None:
@@ -130,7 +151,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
             stats["tis_clipfrac"] = 0.0
     per_token = pg
     if ref_logp is not None:
-        d = valid(ref_logp.detach()) - lp
+        d = (valid(ref_logp.detach()) - lp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         k3 = (torch.exp(d) - d - 1).clamp(max=KL_CLAMP)
         stats["kl"] = _token_mean(k3.detach(), m)
         per_token = per_token + kl_coef * k3
@@ -149,6 +170,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
     stats.update(
         pg_loss=float(aggregate(pg.detach())),
         pg_clipfrac=_token_mean(clipped.float(), m),
+        pg_clipfrac_lower=_token_mean(lower.float(), m),
         ppo_kl=_token_mean((old - lp).detach(), m),
         tokens=float(m.sum()),
         samples=float(has.sum()),

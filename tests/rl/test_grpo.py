@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from dsv4.rl.grpo import group_advantages, logprob_mismatch, policy_loss, restricted_logprobs
+from dsv4.rl.grpo import (DUAL_CLIP, LOG_RATIO_CLAMP, group_advantages, logprob_mismatch, policy_loss,
+                          restricted_logprobs)
 
 LN = math.log
 
@@ -160,6 +161,89 @@ def test_k3_kl_to_reference():
     _, far = policy_loss(logp, logp.detach(), torch.tensor([0.0]), torch.tensor([[True]]),
                          ref_logp=torch.tensor([[LN(0.5) + 5]]), kl_coef=1.0)
     assert far["kl"] == 10.0
+
+
+# ------------------------------------------------------------------------------ extreme log-ratios
+def unbounded_pg(logp, old, adv, clip_low=0.2, clip_high=0.28):
+    """Per-token PPO-clip loss with neither the log-ratio clamp nor the dual clip, in float64."""
+    ratio = torch.exp(logp.double() - old.double())
+    a = adv.double().unsqueeze(1)
+    return -torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
+
+
+# One sample of three tokens: a planted log(p / p_old) of +-29 at token 0 (p_old 1e-13 -> p 0.4, or the reverse),
+# two moderate tokens at ratios 1.1 and 0.9. Per-token loss of the planted token, A = +-2:
+#   +29, A = -2: unbounded e^29 * 2 = 7.9e12; the clamp makes it e^20 * 2, the dual clip 3 * 2 = 6
+#   +29, A = +2: PPO's upper clip, 1.28 * -2 = -2.56
+#   -29, A = +2: -e^-20 * 2 = -4.1e-9 (unbounded -e^-29 * 2)
+#   -29, A = -2: PPO's lower clip, 0.8 * 2 = 1.6
+# and in each case the planted token passes no gradient (its log-ratio is past the clamp).
+@pytest.mark.parametrize("log_ratio,adv,planted", [
+    (29.0, -2.0, DUAL_CLIP * 2.0),
+    (29.0, 2.0, -1.28 * 2.0),
+    (-29.0, 2.0, -math.exp(-LOG_RATIO_CLAMP) * 2.0),
+    (-29.0, -2.0, 0.8 * 2.0),
+])
+def test_extreme_log_ratio_is_bounded(log_ratio, adv, planted):
+    old = torch.tensor([[LN(0.4) - log_ratio, LN(0.3), LN(0.5)]])
+    logp = torch.tensor([[LN(0.4), LN(0.3 * 1.1), LN(0.5 * 0.9)]], requires_grad=True)
+    a, mask = torch.tensor([adv]), torch.ones(1, 3, dtype=torch.bool)
+    loss, stats = policy_loss(logp, old, a, mask)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    moderate = unbounded_pg(logp.detach(), old, a)[0, 1:]
+    assert close(loss, (planted + float(moderate.sum())) / 3, 1e-5), loss
+    assert abs(loss.item()) <= DUAL_CLIP * abs(adv)
+    assert logp.grad[0, 0] == 0
+    # the moderate tokens keep the unbounded loss's gradient, -A * ratio / 3 inside PPO's clip range
+    ratios = torch.tensor([1.1, 0.9])
+    assert torch.allclose(logp.grad[0, 1:], -adv * ratios / 3, atol=1e-6), logp.grad
+    assert close(stats["pg_clipfrac_lower"], 1 / 3 if (log_ratio > 0 and adv < 0) else 0.0)
+    assert close(stats["ppo_kl"], -log_ratio / 3 - (LN(1.1) + LN(0.9)) / 3, 1e-5)   # unclamped: shows the size
+
+
+def test_log_ratio_past_fp32_exp_is_finite():
+    # a log-ratio of 100: fp32's exp is inf (past ~88.7); unclamped, A = +1 gave a finite loss with a NaN gradient
+    # and A = -1 an infinite loss. Both directions, and a reference 100 nats away in the k3 KL (NaN gradient before)
+    old = torch.tensor([[LN(0.4) - 100, LN(0.4) + 100]])
+    logp = torch.full((2, 2), LN(0.4)).requires_grad_(True)
+    for adv in (1.0, -1.0):
+        logp.grad = None
+        loss, stats = policy_loss(logp, old.expand(2, 2), torch.tensor([adv, -adv]), torch.ones(2, 2, dtype=torch.bool),
+                                  ref_logp=old.expand(2, 2), kl_coef=0.1)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), (loss, logp.grad)
+        assert abs(loss.item()) <= DUAL_CLIP + 0.1 * 10 and stats["kl"] == 10.0
+
+
+def test_moderate_ratios_equal_the_unbounded_loss():
+    # ratios in [e^-1, e^1]: under the dual clip's 3 and far inside the clamp, so the loss and its gradient are
+    # the plain PPO-clip ones
+    torch.manual_seed(3)
+    old = torch.rand(6, 5).mul(0.9).add(0.05).log()
+    logp = (old + torch.empty(6, 5).uniform_(-1, 1)).requires_grad_(True)
+    adv = torch.randn(6)
+    mask = torch.rand(6, 5) > 0.2
+    mask[:, 0] = True
+    loss, stats = policy_loss(logp, old, adv, mask)
+    loss.backward()
+    ref_logp = logp.detach().double().requires_grad_(True)
+    pg = torch.where(mask, unbounded_pg(ref_logp, old, adv), torch.zeros((), dtype=torch.float64))
+    want = (pg.sum(1) / mask.sum(1)).mean()
+    want.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert close(loss, want, 1e-6) and stats["pg_clipfrac_lower"] == 0.0
+    assert torch.allclose(logp.grad.double(), ref_logp.grad, atol=1e-7)
+    assert stats["pg_clipfrac"] > 0                          # PPO's own clip is exercised, not only the middle
+
+
+def test_dual_clip_can_be_turned_off_and_is_checked():
+    # without the cap only the clamp bounds A < 0: e^20 * |A| for a log-ratio of 29 (one token, A = -1)
+    logp, old = torch.tensor([[LN(0.4)]]), torch.tensor([[LN(0.4) - 29]])
+    loss, _ = policy_loss(logp, old, torch.tensor([-1.0]), torch.tensor([[True]]), clip_c=None)
+    assert torch.isfinite(loss) and close(loss / math.exp(LOG_RATIO_CLAMP), 1.0, 1e-5)
+    with pytest.raises(ValueError, match="clip_c"):
+        policy_loss(logp, old, torch.tensor([-1.0]), torch.tensor([[True]]), clip_c=1.0)
 
 
 def test_shape_errors():
