@@ -538,7 +538,7 @@ def _metrics_row(step, res, stats, rewards, live_groups, results, rollout_s, rep
            "logprob_diff_mean": tok_mean("train_rollout_logprob_abs_diff"),
            "logprob_diff_max": _nanmax([s["train_rollout_logprob_abs_diff_max"] for s in stats]),
            "rollout_kl": tok_mean("train_rollout_kl"), "pg_clipfrac": tok_mean("pg_clipfrac"),
-           "ppo_kl": tok_mean("ppo_kl"), "route_agree": agree,
+           "pg_clipfrac_lower": tok_mean("pg_clipfrac_lower"), "ppo_kl": tok_mean("ppo_kl"), "route_agree": agree,
            "rollout_s": rollout_s, "rollout_tokens_per_s": all_tokens / rollout_s,
            "sync_s": rep.seconds, "sync_gb_s": rep.bytes / rep.seconds / 1e9, "sync_max_err": rep.max_err,
            "weights_synced": rep.bound_ok, "weight_version": rep.version, "samples": n,
