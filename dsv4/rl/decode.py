@@ -22,14 +22,15 @@ it replays for every position (`GraphedStep`):
   it on the device, and cache rows are written with `index_copy_` at device indices;
 * the compressors pool a block every step; when no block ends at this position the entry goes to a spare
   "trash" row past the real ones, which no index ever names (a masked write instead of a Python `if`);
-* the MoE runs every routed expert on every row, weighted by the row's routing weight for that expert (zero
-  where not chosen): no `unique`/`nonzero` on the host. At decode batch sizes the step is bound by reading
-  weights, and a batch of 64 tokens routed top-k activates nearly every expert anyway (`moe`).
+* the MoE runs only the experts the batch chose, through grouped GEMMs over the assignments sorted by expert, with
+  the experts' row counts from a scatter rather than `unique`/`bincount` on the host (`moe`, `ExpertStack`): at
+  decode batch sizes the step is bound by reading weights, and one token reads 6 of Flash's 256 experts a layer.
 
 On a GPU the engine's step is faster than these functions run op by op, without other math:
 * `Prepared` holds forms of the weights the step reads instead of the parameters: the fp32 head as two bf16
   halves (two tensor-core GEMMs on the exact bf16 input, fp32-grade: dsv4/kernels/split_gemm.py) and each
-  layer's routed experts stacked for two batched GEMMs; the engine refreshes them in place after every update;
+  layer's routed experts stacked for the grouped GEMMs (the experts' parameters made views of the stack where no
+  QAT point changes them); the engine refreshes them in place after every update;
 * the step's pure-torch parts are three kinds of regions around the attention kernel (`before_attention`,
   `after_attention`, `head_input`), which `GraphedStep` runs through torch.compile: inductor fuses the norms,
   rotations, routing and the MoE's elementwise work, and the Sinkhorn iterations run as one kernel
@@ -201,64 +202,107 @@ def attend_post(attn: Attention, o: torch.Tensor, cos: torch.Tensor, sin: torch.
     return attn.wo_b(grouped_output(o, attn.wo_a.qat_weight_value(), attn.cfg.o_groups))
 
 
-class ExpertStack:
-    """A layer's routed experts as two stacked weights, for two batched GEMMs over every expert instead of three
-    small GEMMs per expert: w13 [E, 2*inter, dim] (w1 over w3) and w2 [E, dim, inter]. A copy (through each
-    weight's QAT point), refreshed in place after the experts change."""
+def _expert_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, expert: torch.Tensor,
+                 grouped: bool) -> torch.Tensor:
+    """a [M, K] (rows grouped by expert, `offs` each expert's end) times each row's expert's w [E, K, N] -> [M, N] in
+    a's dtype. `grouped`: one grouped GEMM (torch._grouped_mm: CUTLASS on Hopper in bf16, a loop over the groups on a
+    CPU), which reads the weights of experts that have rows and no others; else (CUDA in another dtype or before
+    Hopper, where the grouped kernel would read the offsets back to the host) a gather of each row's expert and a
+    batched GEMM, also reading only the chosen experts. Kept out of torch.compile's graphs: the decode regions
+    fuse the elementwise work around it, the GEMMs are library calls either way."""
+    if grouped:
+        return torch._grouped_mm(a, w, offs=offs)
+    return torch.bmm(a.unsqueeze(1), w.index_select(0, expert)).squeeze(1)
 
-    def __init__(self, ffn: MoE):
+
+_expert_gemm = torch.compiler.disable(_expert_gemm)
+
+
+class ExpertStack:
+    """A layer's routed experts as two stacked weights for grouped GEMMs over the experts a batch chose: w13
+    [E, 2*inter, dim] (w1 over w3) and w2 [E, dim, inter].
+
+    Where no expert weight has a QAT point (the weight is what its GEMM reads), the experts' parameters become views
+    of the stack (`share`): no second copy of the layer's routed experts (12.9 GB a layer at Flash's 256), and an
+    in-place update of a parameter is the stack's at once. Otherwise the stack is a copy through each weight's QAT
+    point, refreshed in place after the experts change (`refresh`)."""
+
+    def __init__(self, ffn: MoE, share: bool = True):
         self.ffn = ffn
         e0 = ffn.experts[0]
         inter, dim = e0.w1.weight.shape
         E, dt, dev = len(ffn.experts), e0.w1.weight.dtype, e0.w1.weight.device
         self.w13 = torch.empty(E, 2 * inter, dim, dtype=dt, device=dev)
         self.w2 = torch.empty(E, dim, inter, dtype=dt, device=dev)
+        self.share = share and all(lin.qat_weight is None for ex in ffn.experts for lin in (ex.w1, ex.w2, ex.w3))
+        self.grouped = dev.type == "cpu" or (dt == torch.bfloat16 and torch.cuda.get_device_capability(dev)[0] >= 9)
         self.refresh()
+
+    def _views(self, e: int):
+        inter = self.w2.shape[-1]
+        return self.w13[e, :inter], self.w13[e, inter:], self.w2[e]
+
+    def shared(self) -> bool:
+        """Whether every expert's parameters are (still) views of the stack: a parameter given new storage
+        (`p.data = ...`) is not."""
+        return self.share and all(lin.weight.data_ptr() == v.data_ptr() for e, ex in enumerate(self.ffn.experts)
+                                  for lin, v in zip((ex.w1, ex.w3, ex.w2), self._views(e)))
 
     @torch.no_grad()
     def refresh(self) -> None:
-        inter = self.w2.shape[-1]
+        if self.shared():
+            return
         for e, ex in enumerate(self.ffn.experts):
-            self.w13[e, :inter].copy_(ex.w1.qat_weight_value())
-            self.w13[e, inter:].copy_(ex.w3.qat_weight_value())
-            self.w2[e].copy_(ex.w2.qat_weight_value())
+            for lin, view in zip((ex.w1, ex.w3, ex.w2), self._views(e)):
+                view.copy_(lin.qat_weight_value())
+                if self.share:
+                    lin.weight.data = view
 
-    def __call__(self, x: torch.Tensor, dense: torch.Tensor, limit: float) -> torch.Tensor:
-        """sum_e dense[:, e] * expert_e(x), fp32 [T, dim], with Expert.forward's roundings (bf16 GEMM outputs,
-        the activation scaled then cast before w2); the sum over experts runs in fp32."""
-        h = torch.matmul(x, self.w13.transpose(1, 2)).float()              # [E, T, 2*inter]
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, limit: float) -> torch.Tensor:
+        """sum_j weights[:, j] * expert_{idx[:, j]}(x), fp32 [T, dim], with Expert.forward's roundings (GEMM outputs
+        in x's dtype, the activation scaled then cast before w2). The T*k assignments are sorted by expert (stable:
+        tokens ascending within an expert, as MoE.forward's `where` lists them), two GEMMs run over the chosen
+        experts only (`_expert_gemm`), and each row's k terms are added in ascending expert order, as MoE.forward's
+        loop over experts adds them. A row routed twice to one expert passes through it twice, as there. No host
+        synchronisation: the counts per expert come from a scatter, not a `bincount` (which sizes its output on
+        the host)."""
+        T, k = idx.shape
+        E = self.w2.shape[0]
+        flat = idx.reshape(-1)
+        expert, order = torch.sort(flat, stable=True)
+        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)
+        rows = x.index_select(0, order // k)
+        h = _expert_gemm(rows, self.w13.transpose(1, 2), offs, expert, self.grouped)       # [T*k, 2*inter]
         g, u = h.chunk(2, dim=-1)
-        a = gated(g, u, dense.t().unsqueeze(-1), limit, x.dtype)
-        return torch.matmul(a, self.w2.transpose(1, 2)).float().sum(0)
+        a = gated(g, u, weights.reshape(-1).index_select(0, order).unsqueeze(-1), limit, x.dtype)
+        out = _expert_gemm(a, self.w2.transpose(1, 2), offs, expert, self.grouped)         # [T*k, dim]
+        # where each (row, slot) landed in the sorted order, then each row's slots by ascending expert
+        where = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=x.device))
+        by_expert = torch.sort(idx, dim=1, stable=True).indices
+        terms = out.index_select(0, where.view(T, k).gather(1, by_expert).reshape(-1)).view(T, k, -1).float()
+        y = terms[:, 0]
+        for j in range(1, k):
+            y = y + terms[:, j]
+        return y
 
 
 def moe(ffn: MoE, x: torch.Tensor, input_ids: torch.Tensor,
         stack: ExpertStack | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE.forward without host synchronisation -> (output like x, experts [T, k] the router chose).
 
-    Every routed expert runs on every row, its activation scaled by the row's routing weight for it: the
-    router's weight where the row chose the expert, 0 where not, so the expert adds an exact 0 to that row.
-    Without `stack`, experts are added in ascending order, as MoE.forward's `unique` visits them, so each row's
-    fp32 sum is MoE.forward's (up to the GEMMs' round-off on another number of rows); with it (the engine's
-    prepared weights on a GPU), two batched GEMMs run every expert at once and the fp32 sum over experts is a
-    reduction. A row routed twice to one expert (a hash table or a replay can say so) gets the two weights
-    summed, which the expert's w2 makes equal to MoE.forward's two passes up to round-off.
-
-    It reads every expert's weights whatever the routing: at decode batch sizes the step is bound by those
-    reads, and a batch of tens of tokens routed top-k touches nearly every expert anyway. Its compute grows
-    with the expert count (n_routed_experts / top-k times the routed FLOPs): right for the smoke's 8 experts,
-    not for Flash's 256, which needs a grouped GEMM over the chosen experts instead."""
+    The routed experts run only on the rows that chose them, through grouped GEMMs over the chosen experts
+    (`ExpertStack`): a step reads the weights of the experts its batch routes to, which at decode batch sizes
+    is what bounds it (6 of 256 experts a layer for one token at Flash's routing). Each row's sum over its experts
+    is MoE.forward's, in the same order, up to the GEMMs' round-off on another grouping of rows. `stack`: the
+    engine's prepared stack of the layer's experts; without one, the experts are stacked for this call (a copy
+    of every expert's weights: for tests and CPU callers that hold no prepared weights)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     weights, idx = ffn.gate(x, input_ids.reshape(-1))
-    dense = torch.zeros(x.shape[0], len(ffn.experts), dtype=weights.dtype, device=x.device)
-    dense.scatter_add_(1, idx, weights)
-    if stack is not None:
-        y = stack(x, dense, ffn.experts[0].swiglu_limit)
-    else:
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e, expert in enumerate(ffn.experts):
-            y = y + expert(x, dense[:, e:e + 1]).float()
+    if stack is None:
+        stack = ExpertStack(ffn, share=False)
+    y = stack(x, weights, idx, ffn.experts[0].swiglu_limit)
     y = y + ffn.shared_experts(x).float()
     return y.to(x.dtype).view(shape), idx
 
@@ -329,7 +373,8 @@ class Prepared:
     """Forms of the model's weights that the decode step reads in place of the parameters, on CUDA: the head's
     bf16 halves (cfg.fp32_gemm bf16x3 or bf16x3_fwd) and each layer's stacked routed experts. Built once per engine and
     shared by its decoders; `refresh()` after the weights change in place rewrites them in place, so captured
-    graphs see the new values. Costs a second copy of the head and of the routed experts."""
+    graphs see the new values. Costs a second copy of the head, and of the routed experts only where a QAT point
+    changes them (otherwise the experts' parameters are views of the stacks, see ExpertStack)."""
 
     def __init__(self, model: Transformer):
         self.head = split_gemm.SplitWeight(model.head.weight) if model.cfg.fp32_gemm != "fp32" else None

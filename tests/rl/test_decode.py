@@ -3,7 +3,7 @@
 The sequences are long enough to cross the tiny model's window (8) many times and to complete several blocks
 of every compression ratio (4 with the indexer's top-4 among up to 20 entries, and 16), so the ring, the
 compressor's partial and overlapping blocks and the indexer's keys are all exercised. The step is the
-sync-free one (position as a device tensor, masked writes, the dense decode MoE), so these tests also hold it
+sync-free one (position as a device tensor, masked writes, the grouped decode MoE), so these tests also hold it
 to the full forward; further tests check what CUDA graphs rely on (a step repeated at one position, a cache
 reused without a reset), the decode MoE against the model's, and the engine's static-shape path on a CPU.
 """
@@ -135,28 +135,52 @@ def test_a_cache_larger_than_the_sequence_changes_nothing():
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_the_decode_moe_equals_the_models_moe(dtype):
-    """Every expert on every row, weighted 0 where not chosen: the same routes and, row by row, the same sum in
-    the same expert order as MoE.forward (fp32 round-off of GEMMs over another number of rows)."""
-    cfg = ModelConfig.preset("tiny", seed=3, dtype=dtype)
+@pytest.mark.parametrize("experts,k", [(8, 2), (32, 6), (256, 6)])
+def test_the_decode_moe_equals_the_models_moe(dtype, experts, k):
+    """The chosen experts through grouped GEMMs (assignments sorted by expert), at the smoke's 8 experts, an EP-8
+    rank's 32 and Flash's 256 with its top-6: the same routes and, row by row, the same sum in the same expert
+    order as MoE.forward (on a CPU bit for bit; the bound allows GEMM round-off on another grouping of rows)."""
+    cfg = ModelConfig.preset("tiny", seed=3, dtype=dtype, n_routed_experts=experts, n_activated_experts=k)
     model = Transformer(cfg)
     g = torch.Generator().manual_seed(0)
     act = model.embed.weight.dtype
     for layer in model.layers:                # layer 0 hash-routed, the others scored
         ffn = layer.ffn
-        x = torch.randn(2, 9, cfg.dim, generator=g).to(act)
-        ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)
-        with torch.no_grad():
-            ref, ref_idx = ffn(x, ids), ffn.last_expert_idx
-            y, idx = decode.moe(ffn, x, ids)
-        assert torch.equal(idx, ref_idx)
-        tol = 2e-6 if dtype == "fp32" else 2e-2
-        assert (y.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+        for B, S in ((1, 1), (64, 1), (2, 9)):            # a decode batch of 1 and of 64, a few positions
+            x = torch.randn(B, S, cfg.dim, generator=g).to(act)
+            ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+            with torch.no_grad():
+                ref, ref_idx = ffn(x, ids), ffn.last_expert_idx
+                y, idx = decode.moe(ffn, x, ids)
+            assert torch.isfinite(y).all() and torch.equal(idx, ref_idx)
+            tol = 2e-6 if dtype == "fp32" else 2e-2
+            assert (y.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+
+
+def test_the_decode_moe_reads_only_the_chosen_experts():
+    """Every expert no row chose holds NaN weights: had the step multiplied them by a zero routing weight (the
+    decode MoE once ran every expert on every row), the output would be NaN. It is finite and MoE.forward's."""
+    cfg = ModelConfig.preset("tiny", seed=3, n_routed_experts=256, n_activated_experts=6)
+    model = Transformer(cfg)
+    ffn = model.layers[1].ffn
+    x = torch.randn(3, 1, cfg.dim, generator=torch.Generator().manual_seed(2))
+    ids = torch.zeros(3, 1, dtype=torch.long)
+    with torch.no_grad():
+        ref = ffn(x, ids)
+        chosen = set(ffn.last_expert_idx.flatten().tolist())
+        assert len(chosen) <= 18
+        for e, ex in enumerate(ffn.experts):
+            if e not in chosen:
+                for lin in (ex.w1, ex.w2, ex.w3):
+                    lin.weight.fill_(float("nan"))
+        for stack in (None, decode.ExpertStack(ffn)):
+            y, _ = decode.moe(ffn, x, ids, stack)
+            assert torch.isfinite(y).all()
+            assert (y - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
 
 
 def test_the_decode_moe_sums_a_repeated_expert_like_the_models_moe():
-    """A row routed twice to one expert (here by a replay) passes through it twice in MoE.forward; the decode MoE
-    sums the two weights into one pass."""
+    """A row routed twice to one expert (here by a replay) passes through it twice, in MoE.forward and here."""
     cfg = ModelConfig.preset("tiny", seed=3)
     model = Transformer(cfg)
     ffn = model.layers[1].ffn
@@ -170,7 +194,7 @@ def test_the_decode_moe_sums_a_repeated_expert_like_the_models_moe():
     finally:
         ffn.gate.replay = None
     assert torch.equal(idx, ffn.last_expert_idx)
-    assert (y - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+    assert torch.isfinite(y).all() and (y - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
 
 
 def test_sampling_takes_the_position_as_a_device_tensor():
@@ -279,27 +303,37 @@ def test_a_step_and_sampling_use_no_op_that_waits_for_the_device():
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_the_stacked_experts_equal_the_expert_loop(dtype):
-    """The engine's stacked routed experts (two batched GEMMs, used on a GPU) against the per-expert loop, on
-    the same routing; and after an expert changes in place, a refresh brings the stack along."""
-    cfg = ModelConfig.preset("tiny", seed=3, dtype=dtype)
-    model = Transformer(cfg)
-    g = torch.Generator().manual_seed(0)
-    act = model.embed.weight.dtype
-    tol = 2e-6 if dtype == "fp32" else 2e-2
-    for layer in model.layers:
-        ffn, stack = layer.ffn, decode.ExpertStack(layer.ffn)
-        x = torch.randn(7, 1, cfg.dim, generator=g).to(act)
-        ids = torch.randint(0, cfg.vocab_size, (7, 1), generator=g)
-        with torch.no_grad():
-            ref, ref_idx = decode.moe(ffn, x, ids)
-            y, idx = decode.moe(ffn, x, ids, stack)
-            assert torch.isfinite(y).all() and torch.equal(idx, ref_idx)
-            assert (y.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
-            for e in ffn.experts:
-                e.w2.weight.mul_(-3.0)
-            stale = decode.moe(ffn, x, ids, stack)[0]
+def test_the_stack_shares_the_experts_storage_and_follows_their_updates(dtype):
+    """The engine's stacked experts (its `Prepared` weights) give the decode MoE's result, and an expert changed in
+    place is decoded with its new values: at once where the experts' parameters are views of the stack (no QAT
+    point: no second copy), after `refresh` where the stack is a copy through the MXFP4 QAT point."""
+    for qat in (False, True):
+        cfg = ModelConfig.preset("tiny", seed=3, dtype=dtype, mxfp4_experts=qat)
+        model = Transformer(cfg)
+        g = torch.Generator().manual_seed(0)
+        act = model.embed.weight.dtype
+        tol = 2e-6 if dtype == "fp32" else 2e-2
+        for layer in model.layers:
+            ffn = layer.ffn
+            ref_x = torch.randn(7, 1, cfg.dim, generator=g).to(act)
+            ids = torch.randint(0, cfg.vocab_size, (7, 1), generator=g)
+            with torch.no_grad():
+                ref, ref_idx = decode.moe(ffn, ref_x, ids)
+                stack = decode.ExpertStack(ffn)
+                assert stack.shared() == (not qat)
+                y, idx = decode.moe(ffn, ref_x, ids, stack)
+                assert torch.isfinite(y).all() and torch.equal(idx, ref_idx)
+                assert (y.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+                for e in ffn.experts:
+                    e.w2.weight.mul_(-3.0)
+                before = decode.moe(ffn, ref_x, ids, stack)[0]
+                stack.refresh()
+                after, ref2 = decode.moe(ffn, ref_x, ids, stack)[0], decode.moe(ffn, ref_x, ids)[0]
+            scale = ref2.float().abs().max().item()
+            stale = (before.float() - ref2.float()).abs().max().item()
+            assert stale > 0.5 * scale if qat else stale <= tol * scale      # a copy lags until refreshed
+            assert (after.float() - ref2.float()).abs().max().item() <= tol * scale
+            ffn.experts[0].w1.weight.data = ffn.experts[0].w1.weight.detach().clone()   # new storage: no view
+            assert not stack.shared()
             stack.refresh()
-            fresh, ref2 = decode.moe(ffn, x, ids, stack)[0], decode.moe(ffn, x, ids)[0]
-        assert (stale.float() - ref2.float()).abs().max().item() > 0.5 * ref2.float().abs().max().item()
-        assert (fresh.float() - ref2.float()).abs().max().item() <= tol * ref2.float().abs().max().item()
+            assert stack.shared() == (not qat)
