@@ -32,26 +32,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def read_metrics_checked(run_dir: Path) -> tuple[list[dict], list[int]]:
-    """The per-step rows of metrics.jsonl, and the numbers of the lines that are not a JSON object (a job killed
-    mid-write leaves a truncated last line) or whose `step` is not an integer: those are skipped, not fatal."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return [], []
-    rows, bad = [], []
-    for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        if not isinstance(row, dict) or ("step" in row and not isinstance(row["step"], int)):
-            bad.append(no)
-        elif "step" in row:          # rows without a step (none are written today) are not per-step metrics
-            rows.append(row)
-    # a resumed run may repeat steps: the last row of a step wins
-    by_step = {r["step"]: r for r in rows}
-    return [by_step[s] for s in sorted(by_step)], bad
+    """The per-step rows of metrics.jsonl, and the numbers of the lines that are not rows of its schema
+    (launcher/metrics.py: a job killed mid-write leaves a truncated last line): those are skipped, not fatal."""
+    from launcher import metrics
+    m = metrics.read(run_dir)
+    return m.rows, [b.line for b in m.bad]
 
 
 def _finite(x) -> bool:

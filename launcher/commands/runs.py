@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -188,29 +190,109 @@ def _fmt_num(v) -> str:
     return str(v)
 
 
+def _tol(ctx, param, value: float) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise click.BadParameter(f"{value!r}: a relative tolerance is a finite number >= 0 (0: bit-identical)")
+    return value
+
+
+def _metric_names(spec: str | None) -> list[str] | None:
+    if spec is None:
+        return None
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    if not names:
+        raise click.UsageError(f"--metrics {spec!r} names no metric")
+    return names
+
+
+def _load(cfg, refs):
+    """The runs named, their metrics files read against the schema -> (runs, {id: MetricsFile})."""
+    from launcher import metrics, registry
+    found = [registry.find_run(cfg, r) for r in refs]
+    twice = sorted({r.id for r in found if [f.id for f in found].count(r.id) > 1})
+    if twice:
+        raise click.UsageError(f"{', '.join(twice)} named twice (as {', '.join(refs)}): name each run once")
+    files = {r.id: metrics.read(r.dir) for r in found}
+    return found, files
+
+
+def _plot_path(out: str) -> Path:
+    """-o as given, its directory already there: a typo in a path must not grow directories somewhere."""
+    p = Path(out)
+    parent = p.parent
+    if parent.is_dir():
+        if p.exists() and not _is_png(p):
+            raise click.UsageError(f"-o {out}: the file exists and is not a PNG; name a new file (or an earlier "
+                                   "plot) to write")
+        return p
+    there = parent
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    if not there.is_dir():
+        raise click.UsageError(f"-o {out}: {there} is a file, not a directory")
+    raise click.UsageError(f"-o {out}: the directory {parent} does not exist (nothing under {there} was created); "
+                           "make it first, or write the PNG elsewhere")
+
+
+def _is_png(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            return f.read(8) == b"\x89PNG\r\n\x1a\n"
+    except OSError:
+        return False
+
+
+def _write_plot(draw, out: str) -> Path:
+    from launcher.errors import ConfigError
+    path = _plot_path(out)
+    try:
+        return draw(path)
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}",
+                          fix="-o a path in a directory you can write") from None
+
+
 @runs.command("compare")
 @config_options()
 @click.argument("run_refs", metavar="RUN RUN [RUN ...]", nargs=-1, required=True)
 @click.option("--metrics", help="comma-separated metrics [loss, grad_norm, and for RL reward_mean, logprob_diff_max]")
-@click.option("--tol", default=0.0, show_default=True, type=float,
+@click.option("--tol", default=0.0, show_default=True, type=float, callback=_tol,
               help="relative tolerance: |a - b| <= tol * max(|a|, |b|) counts as the same")
-@click.option("--steps", "show_steps", is_flag=True, help="print the step-by-step table too")
-@click.option("--json", "as_json", is_flag=True, help="verdicts and the step table as JSON on stdout")
-def compare_cmd(selection, run_refs, metrics, tol, show_steps, as_json):
+@click.option("--steps", "steps_spec", metavar="STEPS",
+              help="compare only these steps: 3, 1-4, 2,5-8, 5- (to the last), or `common` (those every run has) "
+                   "[every step any run has; a run lacking one fails the comparison]")
+@click.option("--table", "show_table", is_flag=True, help="print the step-by-step table too")
+@click.option("--json", "as_json", is_flag=True, help="verdicts, problems and the step table as JSON on stdout")
+def compare_cmd(selection, run_refs, metrics, tol, steps_spec, show_table, as_json):
     """Compare runs step by step against the first: per metric identical, within --tol, or diverged from step k.
-    Exit codes: 0 every metric identical or within tolerance, 1 some metric diverged (or is missing), 2 usage."""
+    The comparison fails whatever the values where a run lacks a compared step (runs of different lengths), has
+    malformed lines in its metrics.jsonl (excused by --steps), or is of another mode (SFT against RL).
+    Exit codes: 0 every metric identical or within tolerance and no problem, 1 a metric diverged or is missing, or
+    a problem above, 2 usage."""
     from dataclasses import asdict
 
-    from launcher import compare, registry
+    from launcher import compare
     if len(run_refs) < 2:
         raise click.UsageError("compare needs two runs or more: the first is the reference")
+    try:
+        steps = compare.parse_steps(steps_spec) if steps_spec is not None else None
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    names = _metric_names(metrics)
     cfg = load_config(selection)
-    found = [registry.find_run(cfg, r) for r in run_refs]
-    runs = {r.id: compare.read_metrics(r.dir) for r in found}
-    empty = [n for n, rows in runs.items() if not rows]
+    found, files = _load(cfg, run_refs)
+    empty = [f"{n} ({f.path}: " + ("missing" if not f.exists else f.bad_summary() or "empty") + ")"
+             for n, f in files.items() if not f.rows]
     if empty:
-        raise click.UsageError(f"no metrics in {', '.join(empty)} (a run that never finished a step)")
-    res = compare.compare(runs, metrics.split(",") if metrics else None, tol)
+        raise click.UsageError(f"no metrics rows in {', '.join(empty)}: a run that never finished a step")
+    runs = {n: f.rows for n, f in files.items()}
+    if names:
+        try:
+            compare.check_metric_names(names, runs)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    res = compare.compare(runs, names, tol, steps, bad={n: f.bad for n, f in files.items()},
+                          modes={r.id: compare.run_mode(r.dir, runs[r.id]) for r in found})
     if as_json:
         click.echo(json.dumps({"schema": 1, "ok": res.ok, **asdict(res)}, indent=2, default=str))
     else:
@@ -222,18 +304,26 @@ def compare_cmd(selection, run_refs, metrics, tol, show_steps, as_json):
                 f"step {v.first_diverged}: {v.values_at_divergence[0]!r} vs {v.values_at_divergence[1]!r}"
             rows.append((v.run, v.metric, v.verdict, v.steps, f"{v.max_abs:.3g}", f"{v.max_rel:.3g}", first))
         click.echo(render_table(rows, right=(3, 4, 5)))
-        if show_steps:
+        if show_table:
             head = ["STEP"] + [f"{n[-8:]}:{m}" for n in res.runs for m in res.metrics]
             body = [tuple([t["step"]] + [_fmt_num(t[n][m]) for n in res.runs for m in res.metrics]) for t in res.table]
             click.echo(render_table([tuple(head), *body], right=tuple(range(len(head)))))
-        click.echo("verdict: " + ("same" if res.ok else "DIFFERENT") + (f" (tolerance {tol:g})" if tol else ""), err=True)
+        for p in res.problems:
+            click.echo(f"problem: {p.detail}", err=True)
+        for note in res.notes:
+            click.echo(f"note: {note}", err=True)
+        why = "" if res.ok or not res.problems else \
+            f" ({len(res.problems)} problem{'s' if len(res.problems) > 1 else ''} above)"
+        click.echo(f"verdict: {'same' if res.ok else 'DIFFERENT'} over steps {res.steps}"
+                   + (f" (tolerance {tol:g})" if tol else "") + why, err=True)
     sys.exit(0 if res.ok else 1)
 
 
 @runs.command("plot")
 @config_options()
 @click.argument("run_refs", metavar="RUN [RUN ...]", nargs=-1)
-@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False), help="the PNG to write")
+@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False),
+              help="the PNG to write (in a directory that exists)")
 @click.option("--metrics", help="comma-separated metrics [loss, grad_norm, lr, tokens_per_s, peak_mem_gb; RL: reward "
               "and logprob mismatch]; with --records, the one metric to plot [tflops]")
 @click.option("--records", type=click.Path(exists=True, dir_okay=False),
@@ -242,25 +332,33 @@ def compare_cmd(selection, run_refs, metrics, tol, show_steps, as_json):
 def plot_cmd(selection, run_refs, out, metrics, records, benchmarks):
     """Plot metrics against step, the runs overlaid; the legend names each run's differing settings. With
     --records: a benchmark's figure across its dated records (commit on each point)."""
-    from launcher import compare, registry
+    from launcher import compare
     if records:
         if run_refs or not benchmarks:
             raise click.UsageError("--records plots --benchmark ID (repeatable), not runs")
         try:
-            path = compare.plot_records(compare.read_records(records), list(benchmarks), metrics or "tflops", out)
+            recs = compare.read_records(records)
+            path = _write_plot(lambda p: compare.plot_records(recs, list(benchmarks), metrics or "tflops", p,
+                                                              make_parents=False), out)
         except ValueError as e:
             raise click.UsageError(str(e)) from None
         click.echo(f"wrote {path}")
         return
     if not run_refs:
         raise click.UsageError("name the runs to plot (or --records FILE --benchmark ID)")
+    names = _metric_names(metrics)
     cfg = load_config(selection)
-    found = [registry.find_run(cfg, r) for r in run_refs]
-    runs = {r.id: compare.read_metrics(r.dir) for r in found}
+    found, files = _load(cfg, run_refs)
+    runs = {n: f.rows for n, f in files.items()}
+    for n, f in files.items():
+        if f.bad:
+            click.echo(f"warning: {n}: {f.bad_summary()}", err=True)
     labels = compare.differing_keys({r.id: compare.run_config(r.dir) for r in found})
     legend = {n: n + (f" ({', '.join(labels[n][:3])})" if labels[n] else "") for n in runs}
     try:
-        path = compare.plot(runs, out, legend, metrics.split(",") if metrics else None)
+        if names:
+            compare.check_metric_names(names, runs)
+        path = _write_plot(lambda p: compare.plot(runs, p, legend, names, make_parents=False), out)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     click.echo(f"wrote {path}")

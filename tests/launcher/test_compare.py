@@ -142,3 +142,96 @@ def test_benchmark_records_plot_across_commits(tmp_path):
     r = v4(tmp_path, "runs", "plot", "--records", str(ROOT / "benchmarks/records/kernels.jsonl"),
            "--benchmark", "nope", "-o", str(png))
     assert r.returncode == 2 and "benchmarks with tflops: " in r.stderr
+
+
+def _bad_lines(run: Path) -> None:
+    """What a killed job, a disk error and a hand edit leave: a cut line, bytes that are not UTF-8, a row whose
+    step is a string, and one whose loss is."""
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 7, "loss": 3.1\n\xff\xfe{"step": 8}\n{"step": "9", "loss": 1.0}\n{"step": 9, "loss": "low"}\n')
+
+
+def test_compare_fails_where_a_run_lacks_steps_unless_steps_names_them(tmp_path):
+    make_run(tmp_path, "stageA-a", LOSS)
+    make_run(tmp_path, "stageA-one", LOSS[:1])
+    r = v4(tmp_path, "runs", "compare", "stageA-a", "stageA-one")
+    assert r.returncode == 1 and "verdict: DIFFERENT over steps 1-6" in r.stderr, r.stderr
+    assert "stageA-one has no row for steps 2-6 (it has 1 step: 1; compared: 1-6)" in r.stderr
+    # the same with the shorter run as the reference, and as JSON for scripts
+    r = v4(tmp_path, "runs", "compare", "stageA-one", "stageA-a", "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 1 and not out["ok"] and out["steps"] == "1-6" and out["n_steps"] == 6
+    assert [(p["kind"], p["run"]) for p in out["problems"]] == [("missing_steps", "stageA-one")]
+    # asked for: the steps both have, or a range both cover
+    for steps in ("1", "common"):
+        r = v4(tmp_path, "runs", "compare", "stageA-a", "stageA-one", "--steps", steps)
+        assert r.returncode == 0 and "verdict: same over steps 1" in r.stderr, r.stderr
+    r = v4(tmp_path, "runs", "compare", "stageA-a", "stageA-one", "--steps", "1-3")
+    assert r.returncode == 1 and "stageA-one has no row for steps 2-3" in r.stderr
+    assert v4(tmp_path, "runs", "compare", "stageA-a", "stageA-one", "--steps", "3-1").returncode == 2
+    # the step table
+    r = v4(tmp_path, "runs", "compare", "stageA-a", "stageA-one", "--table")
+    assert r.returncode == 1 and "5.51" in r.stdout
+
+
+def test_compare_fails_on_malformed_lines_and_names_each(tmp_path):
+    a, b = make_run(tmp_path, "stageA-a", LOSS), make_run(tmp_path, "stageA-b", LOSS)
+    _bad_lines(b)
+    r = v4(tmp_path, "runs", "compare", "stageA-a", "stageA-b", "--json")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (p,) = json.loads(r.stdout)["problems"]
+    assert p["kind"] == "malformed_lines" and p["run"] == "stageA-b" and "4 malformed lines" in p["detail"]
+    for line, why in ((7, "not JSON"), (8, "not UTF-8 (byte 0xff at column 1)"),
+                      (9, "step: input should be a valid integer (got '9')")):
+        assert f"{b}/metrics.jsonl:{line}: {why}" in p["detail"], p["detail"]
+    from launcher import metrics
+    assert str(metrics.read(b).bad[3]) == f"{b}/metrics.jsonl:10: loss: input should be a valid number (got 'low')"
+    assert metrics.read(b).steps == [1, 2, 3, 4, 5, 6] and not metrics.read(a).bad
+    # --steps names what to compare, each step of it read in both: the lines are said, not failed on
+    r = v4(tmp_path, "runs", "compare", "stageA-a", "stageA-b", "--steps", "1-6")
+    assert r.returncode == 0 and "note: 4 malformed lines in stageA-b" in r.stderr, r.stderr
+    r = v4(tmp_path, "runs", "plot", "stageA-a", "stageA-b", "-o", str(tmp_path / "p.png"))
+    assert r.returncode == 0 and f"{b}/metrics.jsonl:8: not UTF-8" in r.stderr, r.stderr
+
+
+def test_compare_fails_across_modes(tmp_path):
+    make_run(tmp_path, "stageA-a", LOSS)
+    rl = make_run(tmp_path, "rl-a", LOSS)
+    (rl / "config.json").write_text(json.dumps({"values": {"PRESET_MODE": "rl"}}))
+    r = v4(tmp_path, "runs", "compare", "stageA-a", "rl-a")
+    assert r.returncode == 1 and "rl-a is an RL run, the reference stageA-a an SFT run" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--tol", "nan"), "a relative tolerance is a finite number >= 0"),
+    (("--tol", "inf"), "a relative tolerance is a finite number >= 0"),
+    (("--tol", "-1e-6"), "a relative tolerance is a finite number >= 0"),
+    (("--metrics", "loss,grad_nrom"), "no run has a metric 'grad_nrom'; did you mean grad_norm?"),
+    (("--metrics", ","), "names no metric"),
+])
+def test_compare_and_plot_usage_errors(tmp_path, args, says):
+    make_run(tmp_path, "stageA-a", LOSS)
+    make_run(tmp_path, "stageA-b", LOSS)
+    r = v4(tmp_path, "runs", "compare", "stageA-a", "stageA-b", *args)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    if args[0] == "--metrics":
+        r = v4(tmp_path, "runs", "plot", "stageA-a", "-o", str(tmp_path / "p.png"), *args)
+        assert r.returncode == 2 and says in r.stderr and not (tmp_path / "p.png").exists(), r.stderr
+
+
+def test_plot_writes_only_where_told_and_creates_no_directory(tmp_path):
+    make_run(tmp_path, "stageA-a", LOSS)
+    (tmp_path / "a-file").write_text("kept\n")
+    cases = [(tmp_path / "no" / "such" / "p.png", f"the directory {tmp_path}/no/such does not exist"),
+             (tmp_path / "a-file" / "p.png", f"{tmp_path}/a-file is a file, not a directory"),
+             (tmp_path / "a-file", "the file exists and is not a PNG"),
+             (Path("/proc/v4-plot-test.png"), "cannot write /proc/v4-plot-test.png")]
+    for out, says in cases:
+        r = v4(tmp_path, "runs", "plot", "stageA-a", "-o", str(out))
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (out, r.stderr)
+    assert not (tmp_path / "no").exists() and (tmp_path / "a-file").read_text() == "kept\n"
+    assert not list(tmp_path.glob("**/*.tmp.png"))
+    # an earlier plot is replaced
+    png = tmp_path / "p.png"
+    assert v4(tmp_path, "runs", "plot", "stageA-a", "-o", str(png)).returncode == 0
+    assert v4(tmp_path, "runs", "plot", "stageA-a", "-o", str(png)).returncode == 0 and png.stat().st_size > 1000
