@@ -3,7 +3,8 @@
 The dashboard address comes from the config (http://V4_MASTER_IP:V4_DASHBOARD_PORT). The log is
 followed while the job runs (progress lines) and written whole to the run directory at the end.
 Interrupting the wait (Ctrl-C) does not stop the job, as with `ray job submit`; `v4 runs stop` does, and
-`v4 run --resume` follows it again instead of starting a second one (pipeline.resume_action).
+`v4 run --resume` follows it again instead of starting a second one, or with `--restart-running` stops it and
+waits for its end before the new one (pipeline.resume_action).
 """
 from __future__ import annotations
 

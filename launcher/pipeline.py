@@ -74,7 +74,10 @@ def check_available(plan: Plan) -> None:
                           fix="drop these steps with --set PRESET_STEPS=\"...\" or use a preset whose steps exist")
 
 
-def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=False, as_json=False) -> None:
+def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=False, as_json=False,
+            restart_running=False) -> None:
+    """Run `plan` (or with `resume`, continue its run). A job an earlier attempt left alive is followed to its end;
+    with `restart_running` it is stopped first and its step runs anew (resume_action)."""
     from launcher import cluster, jobs, registry
 
     if cfg["V4_EXECUTOR"] == "ray":
@@ -103,7 +106,7 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
                 elif step.kind == "rollout":
                     _rollout(cfg, run, step, rollout_live)
                 elif step.kind == "job":
-                    _job(cfg, run, step, jobs, resume_cmd)
+                    _job(cfg, run, step, jobs, resume_cmd, restart_running)
                 elif step.kind == "gates":
                     _gates(cfg, run, plan)
             _check_not_stopped(run, resume_cmd)
@@ -122,23 +125,41 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
         interrupted = isinstance(e, KeyboardInterrupt)
         what = "interrupted" if interrupted else type(e).__name__
         code = 130 if interrupted else 1
-        for s in run.steps():
-            if s.get("status") == "running":
-                run.set_step(s["name"], "interrupted" if interrupted else "failed")
+        left = [s for s in run.steps() if s.get("status") == "running"]
+        for s in left:
+            run.set_step(s["name"], "interrupted" if interrupted else "failed")
         run.finish("failed", error=f"{what}: {e}" if str(e) else what, code=code)
-        if interrupted and cfg["V4_EXECUTOR"] == "ray":
-            say(f"\nrun {plan.run_id} interrupted; a running Ray job keeps running (as with `ray job submit`):")
-            say(f"  stop it: {runs_command(cfg, 'stop', plan.run_id)}")
-            say(f"  or follow it again: {resume_cmd}")
-        elif interrupted:
-            say(f"\nrun {plan.run_id} interrupted; its local processes were stopped")
-            say(f"  resume: {resume_cmd}")
+        if interrupted:
+            _say_interrupted(cfg, run, left, resume_cmd)
         if as_json:
             _print_failure(run, plan, "interrupted" if interrupted else "failed", code, what, "", time.time() - t0,
                            resume_cmd)
         raise
     run.finish("passed")
     _summary(cfg, run, plan, time.time() - t0, as_json)
+
+
+def _say_interrupted(cfg, run, left: list[dict], resume_cmd: str) -> None:
+    """What the interrupted launcher leaves behind, and what `--resume` will do about it (the exit-130 message)."""
+    restart_cmd = f"{resume_cmd} --restart-running"
+    ray_jobs = [s["submission_id"] for s in left if s.get("submission_id") and not s.get("pgid")]
+    live_groups = [s["pgid"] for s in left if s.get("pgid") and s.get("host") == socket.gethostname()
+                   and group_alive(s["pgid"], run.dir)]
+    if ray_jobs:
+        say(f"\nrun {run.id} interrupted; its Ray job {', '.join(ray_jobs)} keeps running (as with `ray job submit`):")
+        say(f"  follow it:  {resume_cmd}   (--resume follows it to its end and starts no second job)")
+        say(f"  restart it: {restart_cmd}   (stops it, then runs the step anew)")
+        say(f"  stop it:    {runs_command(cfg, 'stop', run.id)}")
+    elif live_groups:
+        # a second Ctrl-C (or SIGTERM) cut the stop short: the job is still saving or exiting
+        say(f"\nrun {run.id} interrupted; its local job (process group {', '.join(map(str, live_groups))}) is still "
+            "ending")
+        say(f"  resume: {resume_cmd}   (stops it if it still runs, then runs the step anew; never two beside each "
+            "other)")
+    else:
+        say(f"\nrun {run.id} interrupted" + ("; its local processes were stopped" if any(s.get("pgid") for s in left)
+                                           else ""))
+        say(f"  resume: {resume_cmd}")
 
 
 def config_flags(cfg) -> list[str]:
@@ -290,73 +311,170 @@ def _preflight(cfg, run, step: Step, skip_checks) -> None:
     run.set_step(step.name, "done")
 
 
-# What to do with a job an earlier attempt of this run left "running" (the launcher was interrupted or killed).
-FOLLOW, COLLECT, REFUSE, NEW = "follow", "collect", "refuse", "new"
+# What to do with the job an earlier attempt of this run left behind (the launcher was interrupted or killed).
+FOLLOW, COLLECT, STOP, REFUSE, NEW = "follow", "collect", "stop", "refuse", "new"
+ALIVE = ("PENDING", "RUNNING")
 
 
-def resume_action(step_status: dict, job_state: str | None, can_follow: bool = True) -> str:
-    """Decide from a step's recorded status and what its executor now says of the recorded job (Ray's job status,
-    or RUNNING while a local job's process group lives; None: unknown or gone):
-      follow  - still PENDING/RUNNING: wait for that job, never start a second one on the same checkpoints
+def stop_requested(step_status: dict) -> bool:
+    """Whether someone asked the step's job to stop: an interrupted launcher stopping its local job, `v4 runs stop`, or
+    the step's deadline. Such a job, still alive, is on its way out (saving, exiting): not a result to wait for."""
+    return bool(step_status.get("stop_requested") or step_status.get("status") == "stopped"
+                or step_status.get("job_status") == "TIMEOUT")
+
+
+def resume_action(step_status: dict, job_state: str | None, can_follow: bool = True, restart: bool = False) -> str:
+    """Decide, for a step not yet done, from its record and what its executor now says of the recorded job (Ray's job
+    status; for a local job RUNNING while its process group lives, else how it ended; None: unknown or gone):
+      follow  - still PENDING/RUNNING: wait for that job to end and take its outcome, never start a second one
       collect - it SUCCEEDED while nobody watched: take its result, the step is done
-      refuse  - still running but cannot be followed (a local process this launcher is not the parent of)
-      new     - nothing alive to reuse: a new job, under a new id (Ray never reuses one)."""
-    if step_status.get("status") != "running" or not step_status.get("submission_id"):
+      stop    - alive, but on its way out (stop_requested) or `restart` (--restart-running) asked: stop it, wait for
+                its end, then a new job
+      refuse  - maybe alive, but this launcher can neither follow nor stop it (a local job on another host);
+                with `restart` a new job all the same
+      new     - nothing alive to reuse: a new job, under a new id (Ray never reuses one).
+    The step's recorded status (running, interrupted, failed, stopped) does not decide by itself: a launcher that died
+    of a bug leaves "failed" on a job that still runs, and a second job beside it is the one thing never to start."""
+    if not step_status.get("submission_id"):
         return NEW
-    if job_state in ("PENDING", "RUNNING"):
-        return FOLLOW if can_follow else REFUSE
+    if job_state in ALIVE:
+        if not can_follow:
+            return NEW if restart else REFUSE          # --restart-running: the person says it is gone (a lost host)
+        return STOP if restart or stop_requested(step_status) else FOLLOW
     if job_state == "SUCCEEDED" and can_follow:
         return COLLECT
     return NEW
 
 
+def exit_record_path(log_path: Path) -> Path:
+    """Where a local job's supervisor records how it ended (local_supervisor.py), next to the step's log."""
+    return Path(log_path).parent / "exit.json"
+
+
+def _exit_record(log_path: Path, submission_id: str) -> dict | None:
+    try:
+        rec = json.loads(exit_record_path(log_path).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("submission_id") == submission_id else None
+
+
+def _local_state(status: dict, run, log_path: Path) -> str | None:
+    """A local job's state as resume_action reads it: RUNNING while its group lives, then from its exit record. A job
+    that exited 0 after it was asked to stop (a trainer saving on SIGTERM) did not finish its work: STOPPED."""
+    if status.get("host") == socket.gethostname() and group_alive(status["pgid"], run.dir):
+        return "RUNNING"
+    rec = _exit_record(log_path, status["submission_id"])
+    if rec is None:
+        return None
+    if stop_requested(status):
+        return "STOPPED"
+    return "SUCCEEDED" if rec.get("exit_code") == 0 else "FAILED"
+
+
 def _earlier_job_state(cfg, run, status: dict, jobs) -> tuple[str | None, bool]:
-    """(state of the job an earlier attempt left running, whether it can be followed)."""
-    if status.get("status") != "running":
+    """(state of the job an earlier attempt of this step recorded, whether this launcher can follow or stop it)."""
+    if not status.get("submission_id"):
         return None, True
-    if status.get("pgid"):                     # a local job: only the host that started it can see it
-        if status.get("host") != socket.gethostname():
-            say(f"warning: step {status.get('name')}: the local job of an earlier attempt ran on {status.get('host')} "
-                f"(process group {status['pgid']}); this host cannot tell whether it still runs")
-            return None, False
-        return ("RUNNING" if group_alive(status["pgid"], run.dir) else None), False
-    if cfg["V4_EXECUTOR"] == "ray" and status.get("submission_id"):
+    if status.get("pgid"):
+        state = _local_state(status, run, run.step_log(status["name"]))
+        if status.get("host") == socket.gethostname() or state is not None:
+            return state, True               # seen here, or ended with a record in the shared run directory
+        # a local job on another host, not known to have ended: only that host can see it
+        if status.get("status") in ("running", "interrupted"):
+            return "RUNNING", False
+        return None, True
+    if cfg["V4_EXECUTOR"] == "ray":
         return jobs.job_status(cfg, status["submission_id"]), True
     return None, True
 
 
-def _job(cfg, run, step: Step, jobs, resume_cmd: str = "") -> None:
+# How long a job asked to stop (--restart-running, or one an earlier attempt was stopping) may take to end.
+STOP_WAIT_S = 120.0
+
+
+def _stop_earlier(cfg, run, step: Step, status: dict, jobs) -> None:
+    """Stop the job an earlier attempt of `step` left alive and wait for its end: the next job may need its ports,
+    GPUs and outputs."""
+    sid = status["submission_id"]
+    run.set_step(step.name, status.get("status") or "interrupted", stop_requested=True)
+    if status.get("pgid"):
+        stop_group(status["pgid"])
+        ended = _wait_until(lambda: not group_alive(status["pgid"], run.dir), STOP_WAIT_S)
+    else:
+        jobs.stop(cfg, sid)
+        ended = _wait_until(lambda: jobs.job_status(cfg, sid) not in ALIVE, STOP_WAIT_S)
+    if not ended:
+        what = f"process group {status['pgid']}" if status.get("pgid") else f"Ray job {sid}"
+        raise JobError(f"{step.name}: the {what} of an earlier attempt did not end within {STOP_WAIT_S:.0f} s of being "
+                       "stopped; a new job beside it would share its ports and outputs",
+                       fix=f"{runs_command(cfg, 'stop', run.id)}, then resume again")
+
+
+def _wait_until(pred, timeout_s: float, poll_s: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def _job(cfg, run, step: Step, jobs, resume_cmd: str = "", restart_running: bool = False) -> None:
     status = run.step_status(step.name)
     if status.get("status") == "done":
         say(f"[{step.name}] done in an earlier attempt of this run; skipped")
         return
     say(f"[{step.name}] {step.doc}")
     log = run.step_log(step.name)
+    local = cfg["V4_EXECUTOR"] == "local"
     state, can_follow = _earlier_job_state(cfg, run, status, jobs)
-    action = resume_action(status, state, can_follow)
+    action = resume_action(status, state, can_follow, restart_running)
+    sid = status.get("submission_id")
     if action == REFUSE:
-        raise JobError(f"{step.name}: the local job of an earlier attempt (process group {status['pgid']}) is still "
-                       "running; a second one would work on the same outputs",
-                       fix=f"{runs_command(cfg, 'stop', run.id)}   (then resume again)")
+        raise JobError(f"{step.name}: the local job of an earlier attempt (process group {status['pgid']}) may still "
+                       f"run on {status.get('host')} (it left no exit record); a second one here would work on the "
+                       "same outputs",
+                       fix=f"on {status.get('host')}: {runs_command(cfg, 'stop', run.id)}, then resume again (or "
+                           f"resume there); if {status.get('host')} is gone: --restart-running")
+    if state == "RUNNING" and not can_follow:
+        say(f"warning: {step.name}: the local job of an earlier attempt may still run on {status.get('host')}; "
+            "starting a new one here all the same (--restart-running)")
+    if action == STOP:
+        why = "--restart-running" if restart_running else "an earlier attempt was stopping it"
+        say(f"[{step.name}] job {sid} of an earlier attempt is {state}: stopping it first ({why}), then a new job")
+        _stop_earlier(cfg, run, step, status, jobs)
+        status = run.step_status(step.name)
+        action = NEW
     if action in (FOLLOW, COLLECT):
-        sid = status["submission_id"]
         say(f"[{step.name}] job {sid} of an earlier attempt is {state}: "
             + ("following it, not starting another" if action == FOLLOW else "taking its result"))
+        # the step is this attempt's again (`v4 runs stop` and `runs logs -f` look for running steps); its
         # PRESET_JOB_TIMEOUT counts from when that job started, not from this resume
-        left = step.job.timeout_s - (time.time() - status.get("started_at", time.time()))
-        outcome = jobs.wait(cfg, sid, max(left, 1.0), log_path=log, progress=say)
+        started = status.get("started_at") or time.time()
+        run.set_step(step.name, "running", started_at=started, finished_at=None)
+        left = max(step.job.timeout_s - (time.time() - started), 1.0)
+        if local:
+            outcome = follow_local(status, run.dir, log, left, on_stop=lambda: run.set_step(
+                step.name, "running", stop_requested=True))
+        else:
+            outcome = jobs.wait(cfg, sid, left, log_path=log, progress=say)
     else:
         attempts = len(status.get("submission_ids", []))
         if attempts:
             # Ray keeps finished submissions: a resumed step needs a fresh id
             step.job.submission_id = f"{step.job.submission_id}-r{attempts}"
-        # pgid/host: an earlier attempt's local process group is not this attempt's
-        run.set_step(step.name, "running", submission_id=step.job.submission_id, pgid=None, host=None)
-        if cfg["V4_EXECUTOR"] == "local":
+        # pgid/host and the outcome fields: an earlier attempt's are not this attempt's
+        run.set_step(step.name, "running", submission_id=step.job.submission_id, pgid=None, host=None,
+                     job_status=None, exit_code=None, ok=None, stop_requested=None, finished_at=None)
+        if local:
             # recorded so that `v4 runs stop` (another process) can stop the job's whole process group
             def started(pgid: int) -> None:
                 run.set_step(step.name, "running", pgid=pgid, host=socket.gethostname())
-            outcome = run_local(cfg, step.job, log, on_start=started)
+
+            def stopping() -> None:   # before its group gets SIGTERM: a resume must not wait for what it saves then
+                run.set_step(step.name, "running", stop_requested=True)
+            outcome = run_local(cfg, step.job, log, on_start=started, on_stop=stopping)
         else:
             outcome = jobs.submit_and_wait(cfg, step.job, log_path=log, progress=say)
     if not outcome.ok and run.stopped:   # `v4 runs stop` ended the job: its failure is the stop, not the step's
@@ -380,8 +498,8 @@ def _job(cfg, run, step: Step, jobs, resume_cmd: str = "") -> None:
                                  f"{' '.join(['v4 nan bisect', run.id, *config_flags(cfg)])}")
     if outcome.exit_code == TIMEOUT or outcome.status == "TIMEOUT":
         raise Timeout(f"{step.name}: no result within {step.job.timeout_s:.0f} s (PRESET_JOB_TIMEOUT)")
-    raise JobError(f"{step.name}: job {outcome.status} (exit code {outcome.exit_code})\n    {tail}",
-                   fix=f"full log: {log}")
+    why = f"exit code {outcome.exit_code}" if outcome.exit_code is not None else outcome.message or "no exit code"
+    raise JobError(f"{step.name}: job {outcome.status} ({why})\n    {tail}", fix=f"full log: {log}")
 
 
 def _gates(cfg, run, plan: Plan) -> None:
@@ -466,65 +584,165 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
 
 # How long a stopped local job gets to exit on SIGTERM (save, flush, release GPUs) before SIGKILL.
 STOP_GRACE_S = 10.0
+SUPERVISOR = Path(__file__).with_name("local_supervisor.py")
 
 
-def run_local(cfg, job, log_path: Path, progress=say, on_start=None):
+def run_local(cfg, job, log_path: Path, progress=say, on_start=None, on_stop=None):
     """The V4_EXECUTOR=local path: the step's entrypoint as a subprocess here, same env, same log.
 
     The job gets its own session (process group) so that a timeout, Ctrl-C/SIGTERM of the launcher or `v4 runs
-    stop` ends all of its processes. The deadline is enforced by waiting on the process, not by reading its output:
-    a job that prints nothing is timed out all the same. on_start(pgid) is called once it runs."""
+    stop` ends all of its processes. Its leader is local_supervisor.py, which records the job's exit status next to
+    the log, and its output goes to the log file itself (read back here for progress): a launcher that dies leaves a
+    job that neither loses its output nor dies of a broken pipe, and that a resume can follow (follow_local). The
+    deadline is enforced by waiting on the process, not by reading its output: a job that prints nothing is timed
+    out all the same. on_start(pgid) is called once it runs, on_stop() before its group is stopped."""
     import re
     import subprocess
-
-    from launcher.jobs import Outcome
 
     env = dict(os.environ)
     for k, v in job.runtime_env["env_vars"].items():
         env[k] = re.sub(r"\$\{(\w+)\}", lambda m: os.environ.get(m.group(1), ""), v)
     env["PYTHONPATH"] = job.runtime_env["working_dir"] + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    exit_record_path(log_path).unlink(missing_ok=True)
     t0 = time.time()
     progress(f"running {job.entrypoint}")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(job.entrypoint, shell=True, cwd=job.runtime_env["working_dir"], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        reader = threading.Thread(target=_copy_output, args=(proc.stdout, log, progress), daemon=True)
-        reader.start()
-        status = None
-        try:
-            if on_start is not None:
-                on_start(proc.pid)
-            try:
-                rc = proc.wait(timeout=job.timeout_s)
-            except subprocess.TimeoutExpired:
-                status = "TIMEOUT"
-                progress(f"still running after {job.timeout_s:g} s (PRESET_JOB_TIMEOUT); stopping it")
-        finally:
-            if proc.poll() is None:      # timed out, or we are being interrupted: stop its whole group
-                stop_group(proc.pid, reap=proc)
-            rc = proc.wait()
-            # a process that left the group may still hold the pipe open: do not wait on it forever
-            reader.join(timeout=5)
-    status = status or ("SUCCEEDED" if rc == 0 else "FAILED")
-    tail = "\n".join(log_path.read_text().splitlines()[-40:])
-    return Outcome(job.submission_id, status, TIMEOUT if status == "TIMEOUT" else rc, time.time() - t0, "",
-                   str(log_path), tail)
-
-
-def _copy_output(stream, log, progress) -> None:
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-I", str(SUPERVISOR), str(exit_record_path(log_path)),
+                                 job.submission_id, job.entrypoint],
+                                cwd=job.runtime_env["working_dir"], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    tail = _LogTail(log_path, progress)
+    status = None
     try:
-        for line in stream:
-            log.write(line)
-            log.flush()
-            progress("  | " + line.rstrip())
-    except ValueError:          # the log was closed under us: the job outlived its reader (see run_local)
-        pass
+        if on_start is not None:
+            on_start(proc.pid)
+        try:
+            proc.wait(timeout=job.timeout_s)
+        except subprocess.TimeoutExpired:
+            status = "TIMEOUT"
+            progress(f"still running after {job.timeout_s:g} s (PRESET_JOB_TIMEOUT); stopping it")
+    finally:
+        if proc.poll() is None:      # timed out, or we are being interrupted: stop its whole group
+            if on_stop is not None:
+                on_stop()
+            stop_group(proc.pid, reap=proc)
+        rc = proc.wait()
+        tail.close()
+    rec = _exit_record(log_path, job.submission_id)
+    if rec is not None:
+        rc = rec["exit_code"]              # the job's own code (-N: killed by signal N), not its supervisor's
+    outcome = _local_outcome(job.submission_id, status or ("SUCCEEDED" if rc == 0 else "FAILED"), rc,
+                             time.time() - t0, log_path)
+    return outcome
+
+
+def follow_local(status: dict, run_dir: Path, log_path: Path, timeout_s: float, progress=say, on_stop=None):
+    """Follow the local job an earlier attempt of this step started (`status` records its submission_id and pgid):
+    its log as it grows, until its process group is gone or `timeout_s` passes (then it is stopped: TIMEOUT), and
+    its outcome from the record its supervisor leaves: this launcher is not its parent and cannot wait on it.
+    Interrupted, it stops the job as run_local would (on_stop() first)."""
+    pgid, sid, log_path = status["pgid"], status["submission_id"], Path(log_path)
+    t0 = time.time()
+    tail = _LogTail(log_path, progress)
+    timed_out = False
+    try:
+        deadline = time.monotonic() + timeout_s
+        while group_alive(pgid, run_dir):
+            if time.monotonic() > deadline:
+                timed_out = True
+                progress(f"still running after {timeout_s:.0f} s more (PRESET_JOB_TIMEOUT); stopping it")
+                break
+            time.sleep(0.2)
+    finally:
+        if group_alive(pgid, run_dir):
+            if on_stop is not None:
+                on_stop()
+            stop_group(pgid)
+        tail.close()
+    if timed_out:
+        return _local_outcome(sid, "TIMEOUT", TIMEOUT, time.time() - t0, log_path)
+    rec = _exit_record(log_path, sid)
+    if rec is None:
+        return _local_outcome(sid, "FAILED", None, time.time() - t0, log_path,
+                              "the job ended without recording its exit status (killed with SIGKILL?)")
+    return _local_outcome(sid, "SUCCEEDED" if rec["exit_code"] == 0 else "FAILED", rec["exit_code"], time.time() - t0,
+                          log_path)
+
+
+def _local_outcome(sid: str, status: str, rc, elapsed: float, log_path: Path, message: str = ""):
+    from launcher.jobs import Outcome
+
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    return Outcome(sid, status, TIMEOUT if status == "TIMEOUT" else rc, elapsed, message, str(log_path),
+                   "\n".join(lines[-40:]))
+
+
+class _LogTail:
+    """Progress lines (`  | ...`) from a log file another process writes, from its start, until close() (which
+    reads what is left first)."""
+
+    def __init__(self, path: Path, progress, poll_s: float = 0.2):
+        import codecs
+        self.path, self.progress, self.poll_s = path, progress, poll_s
+        self.done = threading.Event()
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        pending = ""
+        try:
+            with open(self.path, "rb") as f:
+                while True:
+                    chunk = f.read(1 << 16)
+                    if chunk:
+                        *lines, pending = (pending + self.decoder.decode(chunk)).split("\n")
+                        for line in lines:
+                            self.progress("  | " + line.rstrip("\r"))
+                    elif self.done.is_set():
+                        break
+                    else:
+                        time.sleep(self.poll_s)
+        except OSError:
+            return
+        pending += self.decoder.decode(b"", final=True)
+        if pending:
+            self.progress("  | " + pending)
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=10)
+
+
+def _group_members(pgid: int) -> list[int] | None:
+    """The live (not zombie) processes of group `pgid`, from /proc; None where there is no /proc."""
+    if not os.path.exists("/proc/self/stat"):
+        return None
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue                       # ended meanwhile
+        state, _ppid, pgrp = stat[stat.rindex(b")") + 2:].split()[:3]
+        if int(pgrp) == pgid and state not in (b"Z", b"X"):
+            out.append(int(name))
+    return out
 
 
 def group_alive(pgid: int, run_dir: Path | str | None = None) -> bool:
-    """Whether process group `pgid` still has a process, and (given `run_dir`) is a job of that run.
+    """Whether process group `pgid` still has a live process, and (given `run_dir`) is a job of that run.
 
+    Zombies do not count: a job whose launcher died is reparented to pid 1, and where pid 1 reaps nothing (a
+    container without an init) its ended processes stay zombies, which signal 0 still reaches.
     A recorded pgid may be reused once its group is gone: if its leader's pid now belongs to a process
     without V4_RUN_DIR=run_dir in its environment, it is someone else's. (While any process of a group lives,
     Linux does not hand out its id again, so a group without its leader is still ours.)"""
@@ -534,8 +752,13 @@ def group_alive(pgid: int, run_dir: Path | str | None = None) -> bool:
         return False
     except PermissionError:
         return False             # another user's: not a job we started
+    members = _group_members(pgid)
+    if members is not None and not members:
+        return False             # only zombies left
     if run_dir is None:
         return True
+    if members is not None and pgid not in members:
+        return True              # the leader is gone, the rest of its group is not
     try:
         environ = Path(f"/proc/{pgid}/environ").read_bytes().split(b"\0")
     except FileNotFoundError:

@@ -138,11 +138,14 @@ class Run:
         return self.read_json(f"steps/{name}/status.json", {})
 
     def set_step(self, name: str, status: str, **info) -> dict:
+        """Record step `name` as `status` (running | done | failed | stopped | skipped | interrupted), merging `info`
+        into what is recorded. `interrupted`: the launcher was stopped (Ctrl-C, SIGTERM) while the step ran; its
+        job may still be alive, and `--resume` asks about it before anything else (pipeline.resume_action)."""
         now = time.time()
         old = self.step_status(name)
         new = {**old, **info, "name": name, "status": status, "updated_at": now}
-        if status == "running" and old.get("status") != "running":
-            new["started_at"] = now
+        if status == "running" and old.get("status") != "running" and "started_at" not in info:
+            new["started_at"] = now          # given: a resume following the job an earlier attempt started
         if status in ("done", "failed", "stopped", "skipped", "interrupted"):
             new["finished_at"] = now
         if info.get("submission_id"):

@@ -18,12 +18,18 @@ from launcher.cli_options import config_options, load_config
 @click.option("--force", is_flag=True, help="start even if the previous stage has not passed for this config; with "
               "--resume, continue a run with settings that change what it computes")
 @click.option("--resume", metavar="RUN", help="continue a run that stopped (its id, a unique prefix, or `latest`): "
-              "finished steps are skipped, a job it left running is followed")
-def run(selection, dry_run, as_json, skip_checks, force, resume):
+              "finished steps are skipped, a job it left running (after Ctrl-C, say) is followed to its end and its "
+              "outcome taken, never started a second time; one that succeeded meanwhile counts as done")
+@click.option("--restart-running", is_flag=True, help="with --resume: stop a job the run left running and wait for "
+              "its end, then run its step anew (instead of following it)")
+def run(selection, dry_run, as_json, skip_checks, force, resume, restart_running):
     """Run a staged experiment: preflight, cluster up, pipeline steps as Ray jobs, gates."""
     from launcher.errors import V4Error
+    if restart_running and resume is None:
+        raise click.UsageError("--restart-running goes with --resume RUN: it restarts the jobs a run left running",
+                               ctx=click.get_current_context())
     try:
-        _run(selection, dry_run, as_json, skip_checks, force, resume)
+        _run(selection, dry_run, as_json, skip_checks, force, resume, restart_running)
     except V4Error as e:
         # --json answers on stdout whatever happened; a failure inside the run printed its own record already
         if as_json and not dry_run and not getattr(e, "reported", False):
@@ -32,7 +38,7 @@ def run(selection, dry_run, as_json, skip_checks, force, resume):
         raise
 
 
-def _run(selection, dry_run, as_json, skip_checks, force, resume):
+def _run(selection, dry_run, as_json, skip_checks, force, resume, restart_running=False):
     from launcher import plan as planning
     from launcher import registry
 
@@ -49,4 +55,5 @@ def _run(selection, dry_run, as_json, skip_checks, force, resume):
         return
     from launcher.pipeline import execute
 
-    execute(cfg, plan, skip_checks=skip_checks, force=force, resume=run_id is not None, as_json=as_json)
+    execute(cfg, plan, skip_checks=skip_checks, force=force, resume=run_id is not None, as_json=as_json,
+            restart_running=restart_running)

@@ -74,6 +74,10 @@ def show(selection, run_ref, as_json):
         click.echo(f"  tensorboard --logdir {run.dir / 'tb'}")
 
 
+# Steps whose job may be alive: running, or interrupted (Ctrl-C leaves a Ray job running; --resume follows it).
+LIVE = ("running", "interrupted")
+
+
 @runs.command("logs")
 @config_options()
 @click.argument("run_ref", metavar="RUN")
@@ -89,11 +93,11 @@ def logs(selection, run_ref, step, follow):
     if step and not steps:
         raise click.UsageError(f"run {run.id} has no step {step!r} (steps: {', '.join(s['name'] for s in run.steps())})")
     for s in steps:
-        if follow and s["status"] == "running" and s.get("pgid"):
+        if follow and s["status"] in LIVE and s.get("pgid"):
             click.echo(f"==> {s['name']} (following its local job, process group {s['pgid']}) <==", err=True)
             _follow_local(run, s)
             continue
-        if follow and s["status"] == "running" and s.get("submission_id"):
+        if follow and s["status"] in LIVE and s.get("submission_id"):
             click.echo(f"==> {s['name']} (following job {s['submission_id']}) <==", err=True)
             _follow(cfg, s["submission_id"])
             continue
@@ -143,7 +147,7 @@ def stop(selection, run_ref):
     from launcher import registry
     cfg = load_config(selection)
     run = registry.find_run(cfg, run_ref)
-    running = [s for s in run.steps() if s["status"] == "running"]
+    running = [s for s in run.steps() if s["status"] in LIVE]
     _refuse_foreign_local(run, running)
     # marked first: the launcher, seeing its job end, must read "stopped" and start nothing more
     if registry.effective_status(run.info()) in ("running", "interrupted"):

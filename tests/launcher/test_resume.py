@@ -129,23 +129,33 @@ def test_rerun_command_keeps_every_flag_and_hides_secrets(tmp_path):
 # --- 3. a resumed step and the job an earlier attempt left running ----------------------------------------------
 
 RUNNING = {"status": "running", "submission_id": "r-train"}
+INTERRUPTED = {"status": "interrupted", "submission_id": "r-train"}         # Ctrl-C while the job ran (issue 42)
 
 
-@pytest.mark.parametrize("step, state, can_follow, action", [
-    (RUNNING, "RUNNING", True, "follow"),
-    (RUNNING, "PENDING", True, "follow"),
-    (RUNNING, "SUCCEEDED", True, "collect"),
-    (RUNNING, "FAILED", True, "new"),
-    (RUNNING, "STOPPED", True, "new"),
-    (RUNNING, None, True, "new"),                                  # Ray never saw it (killed before submit)
-    (RUNNING, "RUNNING", False, "refuse"),                         # a local group this launcher cannot follow
-    (RUNNING, None, False, "new"),
-    ({"status": "failed", "submission_id": "r-train"}, "RUNNING", True, "new"),
-    ({"status": "running"}, "RUNNING", True, "new"),
-    ({}, None, True, "new"),
+@pytest.mark.parametrize("step, state, can_follow, restart, action", [
+    (RUNNING, "RUNNING", True, False, "follow"),
+    (RUNNING, "PENDING", True, False, "follow"),
+    (RUNNING, "SUCCEEDED", True, False, "collect"),
+    (RUNNING, "FAILED", True, False, "new"),
+    (RUNNING, "STOPPED", True, False, "new"),
+    (RUNNING, None, True, False, "new"),                           # Ray never saw it (killed before submit)
+    (RUNNING, "RUNNING", False, False, "refuse"),                  # a local group on another host
+    (RUNNING, None, False, False, "new"),
+    (INTERRUPTED, "RUNNING", True, False, "follow"),
+    (INTERRUPTED, "SUCCEEDED", True, False, "collect"),
+    (INTERRUPTED, "FAILED", True, False, "new"),
+    (INTERRUPTED, "RUNNING", True, True, "stop"),                  # --restart-running
+    (INTERRUPTED, "SUCCEEDED", True, True, "collect"),             # nothing running to restart: it is done
+    ({**INTERRUPTED, "stop_requested": True}, "RUNNING", True, False, "stop"),   # a stop cut short: finish it
+    ({"status": "stopped", "submission_id": "r-train"}, "RUNNING", True, False, "stop"),   # `runs stop` under way
+    ({"status": "failed", "submission_id": "r-train", "job_status": "TIMEOUT"}, "RUNNING", True, False, "stop"),
+    ({"status": "failed", "submission_id": "r-train"}, "RUNNING", True, False, "follow"),  # the launcher died of a bug
+    ({"status": "failed", "submission_id": "r-train", "job_status": "FAILED"}, "FAILED", True, False, "new"),
+    ({"status": "running"}, "RUNNING", True, False, "new"),
+    ({}, None, True, False, "new"),
 ])
-def test_resume_action(step, state, can_follow, action):
-    assert pipeline.resume_action(step, state, can_follow) == action
+def test_resume_action(step, state, can_follow, restart, action):
+    assert pipeline.resume_action(step, state, can_follow, restart) == action
 
 
 class FakeRay:
@@ -194,21 +204,29 @@ def run_beside_a_live_job(tmp_path):
     return cfg, plan, run, sleeper(run.dir)
 
 
-def test_resumed_local_step_refuses_while_its_earlier_job_lives(tmp_path):
+def test_resumed_local_step_follows_its_earlier_job_and_refuses_one_on_another_host(tmp_path):
     cfg, plan, run, p = run_beside_a_live_job(tmp_path)
+    sid = plan.steps[0].job.submission_id
     try:
-        run.set_step("weights", "running", submission_id=plan.steps[0].job.submission_id, pgid=p.pid,
-                     host=socket.gethostname())
-        with pytest.raises(JobError, match="still running") as e:
+        run.set_step("weights", "running", submission_id=sid, pgid=p.pid, host="elsewhere")
+        with pytest.raises(JobError, match="may still run on elsewhere") as e:
             pipeline._job(cfg, run, plan.steps[0], None)
-        assert e.value.fix.startswith(f"v4 runs stop {run.id} --cluster local --hw cpu --set V4_WORK={tmp_path}")
+        assert e.value.fix.startswith(f"on elsewhere: v4 runs stop {run.id} --cluster local --hw cpu")
+        assert "--restart-running" in e.value.fix
+        run.set_step("weights", "interrupted", host=socket.gethostname())
+        ended = threading.Timer(1.0, os.killpg, (p.pid, signal.SIGKILL))
+        ended.start()
+        with pytest.raises(JobError, match="without recording its exit status"):   # followed until it ended
+            pipeline._job(cfg, run, plan.steps[0], None)
     finally:
-        os.killpg(p.pid, signal.SIGKILL)
+        if not group_gone(p.pid):
+            os.killpg(p.pid, signal.SIGKILL)
+    s = run.step_status("weights")
+    assert s["status"] == "failed" and s["submission_ids"] == [sid] and s["pgid"] == p.pid
     wait_for(lambda: group_gone(p.pid), what="the sleeper to end")
     pipeline._job(cfg, run, plan.steps[0], None)                   # gone: a new attempt, under a new id
     s = run.step_status("weights")
     assert s["status"] == "done" and s["submission_id"].endswith("-r1") and s["pgid"] != p.pid
-
 
 
 def test_resume_with_settings_that_change_what_the_run_computes_is_refused(tmp_path, capsys):
@@ -400,3 +418,87 @@ def test_runs_logs_follows_a_local_job_until_it_ends(capsys, tmp_path):
     assert code == 0, err
     assert out == "line 1\nline 2\nline 3\nline 4\n" and "process group" in err
     assert time.monotonic() - t0 < 15
+
+
+# --- 6. interrupted for real, then resumed: never a second job beside the first (issue 42) -----------------------
+# The launcher is the real CLI in its own process (resume_harness), signalled as a person or a scheduler would; the
+# job holds a port, so a second one beside it dies of EADDRINUSE as the real trainer did.
+
+import resume_harness as rh  # noqa: E402
+
+
+def test_ctrl_c_twice_then_resume_waits_for_the_stopping_local_job(tmp_path):
+    """Ctrl-C stops a local job (SIGTERM to its group); a second Ctrl-C while it still saves ends the launcher with
+    the job alive. The resume must finish that stop before it starts the step again: never two beside each other."""
+    marks, entry, args = rh.holding_setup(tmp_path, "--set", "V4_EXECUTOR=local")
+    first, second = rh.Launcher(tmp_path, "first", args, entry), None
+    try:
+        rh.wait_for(lambda: rh.count(marks, "start") or first.ended(), 60, "the job to start")
+        first.proc.send_signal(signal.SIGINT)
+        rh.wait_for(lambda: rh.count(marks, "term") or first.ended(), 30, "the job to get SIGTERM")
+        first.proc.send_signal(signal.SIGINT)
+        assert first.wait() == 130, first.err
+        run_id = first.run_id
+        s = rh.step_status(tmp_path, run_id)
+        assert s["status"] == "interrupted" and not rh.group_gone(s["pgid"])          # still saving
+        assert f"its local job (process group {s['pgid']}) is still ending" in first.err, first.err
+        second = rh.Launcher(tmp_path, "second", first.printed("resume:"), entry)
+        # the fixed launcher stops it again (a second SIGTERM); a broken one starts a job beside it at once
+        rh.wait_for(lambda: rh.count(marks, "term") == 2 or second.ended() or rh.count(marks, "EADDRINUSE"), 60,
+                    "the resume to act")
+        (marks / "saved").touch()
+        rh.wait_for(lambda: rh.count(marks, "start") == 2 or second.ended(), 60, "the step's second job")
+        (marks / "hold").unlink()
+        assert second.wait() == 0, second.err
+        assert rh.never_overlapped(marks) and rh.count(marks, "start") == 2, rh.events(marks)
+        assert "stopping it first (an earlier attempt was stopping it)" in second.err, second.err
+        done = rh.step_status(tmp_path, run_id)
+        assert done["status"] == "done" and done["submission_ids"] == [f"{run_id}-weights", f"{run_id}-weights-r1"]
+        assert rh.group_gone(s["pgid"])
+    finally:
+        rh.stop_leftovers(tmp_path, first, *([second] if second else []))
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_resume_after_the_launcher_was_killed_follows_or_restarts_the_local_job(tmp_path, restart):
+    """The launcher is SIGKILLed mid-step (OOM, a lost terminal): its local job runs on, writing its log itself. The
+    resume follows that job to its end and takes its exit status; with --restart-running it stops it first, then runs
+    the step anew. Either way one job at a time, and the run passes."""
+    marks, entry, args = rh.holding_setup(tmp_path, "--set", "V4_EXECUTOR=local")
+    (marks / "saved").touch()                   # a stopped job exits at once
+    first, second = rh.Launcher(tmp_path, "first", args, entry), None
+    try:
+        rh.wait_for(lambda: rh.count(marks, "start") or first.ended(), 60, "the job to start")
+        run_id = first.run_id
+        pgid = rh.wait_for(lambda: rh.step_status(tmp_path, run_id).get("pgid"), 10, "the pgid")
+        first.kill()
+        assert not rh.group_gone(pgid) and rh.step_status(tmp_path, run_id)["status"] == "running"
+        second = rh.Launcher(tmp_path, "second", [*args, "--resume", run_id, *(["--restart-running"] * restart)],
+                             entry)
+        if restart:
+            rh.wait_for(lambda: rh.count(marks, "start") == 2 or second.ended(), 60, "the step's second job")
+        else:
+            rh.wait_for(lambda: second.said("following it") or second.ended(), 60, "the resume to act")
+        (marks / "hold").unlink()
+        assert second.wait() == 0, second.err
+        assert rh.never_overlapped(marks), rh.events(marks)
+        s = rh.step_status(tmp_path, run_id)
+        assert s["status"] == "done" and rh.group_gone(pgid)
+        if restart:
+            assert rh.count(marks, "start") == 2 and s["submission_ids"] == [f"{run_id}-weights", f"{run_id}-weights-r1"]
+            assert "stopping it first (--restart-running)" in second.err
+        else:
+            assert rh.count(marks, "start") == 1 and s["submission_ids"] == [f"{run_id}-weights"]
+            assert s["exit_code"] == 0
+            log = (tmp_path / "runs" / run_id / "steps" / "weights" / "log").read_text()
+            assert "after the hold" in log and "  | after the hold" in second.err
+    finally:
+        rh.stop_leftovers(tmp_path, first, *([second] if second else []))
+
+
+def test_restart_running_without_resume_is_a_usage_error(capsys, tmp_path):
+    code, out, err = v4(capsys, "run", "--preset", "smoke", "--hw", "cpu", "--set", f"V4_WORK={tmp_path}",
+                        "--restart-running", "--dry-run")
+    assert code == 2 and "--restart-running" in err and "--resume" in err
+    code, out, err = v4(capsys, "run", "--help")
+    assert code == 0 and "--restart-running" in out
