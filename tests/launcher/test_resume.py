@@ -1,6 +1,8 @@
 """Resuming, stopping and timing out a run, without Ray: `--resume` resolution, what a resumed step does with the
-job an earlier attempt left running, `v4 runs stop` and SIGTERM on the local executor, the local deadline, and
-the commands a run prints. Local jobs here are tiny shell/python commands put in place of the real entrypoints."""
+job an earlier attempt left running, `v4 runs stop` and SIGTERM on the local executor, the local deadline, the
+commands a run prints, and a real launcher process interrupted mid-step then resumed (section 6; the same on a real
+local Ray: tests/cluster/test_resume_ray.py). Local jobs here are tiny shell/python commands put in place of the
+real entrypoints."""
 from __future__ import annotations
 
 import json
