@@ -485,7 +485,10 @@ def _check_ports_paths(cfg: Config, errors: list[str]) -> None:
         if not _valid_port(v[key]):
             errors.append(f"{at(cfg, key)} is not a valid port (1-65535)")
     for key in PORT_KEYS:
-        if v[key] and not _valid_port(v[key]):
+        if key == "V4_RAY_CLIENT_PORT" and not 1024 <= v[key] <= 65535:
+            # `ray start --head` always runs the client server: no 0 for unused, and Ray refuses ports below 1024
+            errors.append(f"{at(cfg, key)} is not a port Ray's client server takes (1024-65535)")
+        elif v[key] and not _valid_port(v[key]):
             errors.append(f"{at(cfg, key)} is not a valid port (1-65535, or 0 for unused)")
     # the ports the head listens on, sshd's among them, must differ (an invalid one is reported above)
     seen: dict[int, str] = {}

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.config.envfile import Assignment, expand, parse_file, parse_value
+from launcher.config.ports import AUTO, assign_auto
 from launcher.config.schema import BUILTINS, SCHEMA, Key, secret_name
 from launcher.errors import ConfigError
 
@@ -239,6 +240,7 @@ def load(sel: Selection) -> Config:
     sel = Selection(sel.cluster, hw, sel.preset, sel.env_files, sel.sets, sel.environ, root)
     cfg = _merge([*head, hw_layer, *tail], root)
     cfg.selection = sel
+    assign_auto(cfg)
     return cfg
 
 
@@ -318,11 +320,13 @@ def _typed(key: Key, raw: str, origin: Assignment, secret: bool = False) -> Any:
         return raw
     if t == "list":
         return raw.split()
-    if t == "int":
+    if t == "int" or (t == "port" and raw.strip() != AUTO):
         try:
             return int(raw) if raw.strip() else 0
         except ValueError:
-            raise bad("an integer") from None
+            raise bad("an integer" if t == "int" else "a port number or `auto` (picked once for this checkout)") from None
+    if t == "port":
+        return AUTO                     # replaced by this checkout's recorded port (ports.assign_auto)
     if t == "float":
         try:
             number = float(raw) if raw.strip() else 0.0

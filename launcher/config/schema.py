@@ -15,7 +15,7 @@ SECRET_RE = re.compile(r"_(PASSWORD|TOKEN|KEY)$")
 @dataclass(frozen=True)
 class Key:
     name: str
-    type: str               # str | int | float | bool | path | list | enum
+    type: str               # str | int | float | bool | path | list | enum | port (an int, or `auto`)
     default: str            # as it would be written in an env file ("" = unset)
     layer: str              # cluster | base | hw | preset
     doc: str
@@ -73,9 +73,15 @@ KEYS: list[Key] = [
     _k("V4_REDIS_PORT", "int", 6379, "cluster", "port of the external Redis"),
     _k("V4_REDIS_PASSWORD", "str", "", "cluster", "password of the external Redis (secret; redacted)"),
     # --- ports and networking --------------------------------------------------------------------
-    _k("V4_RAY_PORT", "int", 6379, "cluster", "Ray GCS port on the head"),
-    _k("V4_DASHBOARD_PORT", "int", 8265, "cluster", "Ray dashboard / Jobs API port on the head"),
-    _k("V4_DIST_PORT", "int", 29500, "cluster", "torch.distributed rendezvous port (MASTER_PORT)"),
+    # type port: a number, or `auto` (V4_TRANSPORT=local only): picked free once per V4_LOCAL_DIR and recorded there
+    # (launcher/config/ports.py), so every checkout's local Ray has ports of its own
+    _k("V4_RAY_PORT", "port", 6379, "cluster", "Ray GCS port on the head (auto: picked once for this checkout)"),
+    _k("V4_DASHBOARD_PORT", "port", 8265, "cluster",
+       "Ray dashboard / Jobs API port on the head (auto: picked once for this checkout)"),
+    _k("V4_RAY_CLIENT_PORT", "port", 10001, "cluster",
+       "Ray client server (ray://) port on the head, 1024-65535 (auto: picked once for this checkout)"),
+    _k("V4_DIST_PORT", "port", 29500, "cluster",
+       "torch.distributed rendezvous port (MASTER_PORT); 0: rank 0 picks a free one for each job"),
     _k("V4_PROMETHEUS_PORT", "int", 0, "cluster", "Prometheus port (0: not used)"),
     _k("V4_GRAFANA_PORT", "int", 0, "cluster", "Grafana port (0: not used)"),
     _k("V4_RAY_NUM_CPUS", "str", "", "cluster", "CPUs each Ray node advertises (empty: detected)"),
@@ -250,7 +256,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in KEYS}
 BUILTINS = ("V4_ROOT",)
 
 # Ports on the head node that must differ from one another (0 = unused).
-PORT_KEYS = ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT", "V4_GRAFANA_PORT")
+PORT_KEYS = ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_RAY_CLIENT_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT",
+             "V4_GRAFANA_PORT")
 # With V4_ROLLOUT_ENGINE=sglang the rollout server's port joins them (checks.py): colocated, the server listens on
 # the head next to Ray. With the embedded engine nothing listens on it, so it may share a number with anything.
 ROLLOUT_PORT_KEY = "V4_ROLLOUT_PORT"

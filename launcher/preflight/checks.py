@@ -448,8 +448,9 @@ def clock(node, ctx):
 def ports(node, ctx):
     if node != ctx.head and not ctx.facts[node]["ports"]:
         return SKIP, "no fixed ports on a worker"
-    keys = ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT", "V4_GRAFANA_PORT")
-    keys = (("V4_ROLLOUT_PORT",) if _rollout_node(ctx, node) else ()) + keys       # the head's names win a tie
+    from launcher.config.ports import auto_keys, record_path
+    from launcher.config.schema import PORT_KEYS
+    keys = (("V4_ROLLOUT_PORT",) if _rollout_node(ctx, node) else ()) + PORT_KEYS   # the head's names win a tie
     names = {int(ctx.cfg.get(k, 0) or 0): k for k in keys}
     taken, ours = [], []
     for port, p in ctx.facts[node]["ports"].items():
@@ -462,7 +463,14 @@ def ports(node, ctx):
             who = ", ".join(f"{x['comm']} pid {x['pid']}" for x in p["pids"]) or "a process not visible here"
             taken.append(f"{key}={port} is taken by {who}")
     if taken:
-        return FAIL, "; ".join(taken), "stop that process or choose another port in the cluster file"
+        fix = "stop that process or choose another port in the cluster file"
+        auto = [k for k in auto_keys(ctx.cfg) if any(t.startswith(f"{k}=") for t in taken)]
+        if auto:
+            # picked for this checkout when they were free: picking again is the fix, not a number in a file
+            fix = (f"{', '.join(auto)} {'was' if len(auto) == 1 else 'were'} picked for this checkout and recorded in "
+                   f"{record_path(ctx.cfg.values)}: `v4 cluster down`, delete that file, and run again (free ports "
+                   "are picked); or stop that process")
+        return FAIL, "; ".join(taken), fix
     free = [f"{names.get(int(p), p)}={p}" for p, x in ctx.facts[node]["ports"].items() if x["free"]]
     return PASS, "free: " + ", ".join(free) + (f"; held by what v4 started: {', '.join(ours)}" if ours else "")
 

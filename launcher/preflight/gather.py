@@ -23,8 +23,8 @@ PACKAGES = ("torch", "megatron-core", "tilelang", "ray")
 
 
 def head_ports(cfg) -> list[int]:
-    keys = ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_DIST_PORT", "V4_PROMETHEUS_PORT", "V4_GRAFANA_PORT")
-    return [int(cfg.get(k, 0) or 0) for k in keys if int(cfg.get(k, 0) or 0)]
+    from launcher.config.schema import PORT_KEYS
+    return [int(cfg.get(k, 0) or 0) for k in PORT_KEYS if int(cfg.get(k, 0) or 0)]
 
 
 def node_ports(cfg, node: str, head: str) -> list[int]:

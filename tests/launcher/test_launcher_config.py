@@ -309,7 +309,7 @@ def test_bad_model_overrides_are_config_errors_at_their_origin(capsys, override,
     ("HW_GPU_MEMORY_GB=inf", "expected a finite number"),
     ("V4_SSH_PORT=0", "V4_SSH_PORT=0 (cli --set V4_SSH_PORT) is not a valid port"),
     ("V4_SSH_PORT=70000", "is not a valid port"),
-    ("V4_SSH_PORT=6479", "V4_SSH_PORT=6479 (cli --set V4_SSH_PORT) collides with V4_RAY_PORT=6479"),
+    ("V4_RAY_PORT=22", "V4_SSH_PORT=22 (default) collides with V4_RAY_PORT=22 (cli --set V4_RAY_PORT)"),
     ("V4_REDIS_PORT=-1", "V4_REDIS_PORT=-1 (cli --set V4_REDIS_PORT) is not a valid port"),
     ("PRESET_NUM_STEPS=0", "PRESET_NUM_STEPS=0 (cli --set PRESET_NUM_STEPS) must be >= 1"),
     ("PRESET_SEQ_LEN=-4", "PRESET_SEQ_LEN=-4 (cli --set PRESET_SEQ_LEN) must be >= 1"),
@@ -360,10 +360,12 @@ def test_names_pasted_into_scripts_are_validated(capsys, setting, needle):
 
 
 def test_worker_addresses_are_validated(tmp_path):
+    ports = "V4_RAY_PORT=6379\nV4_DASHBOARD_PORT=8265\nV4_RAY_CLIENT_PORT=10001\n"   # SSH: no `auto` (local.env's)
     f = env_file(tmp_path, 'V4_TRANSPORT=ssh\nV4_NUM_NODES=4\nV4_MASTER_IP=10.0.0.1\n'
-                           'V4_WORKER_IPS="10.0.0.2 fd00::3 node-4.example.com"\n')
+                           'V4_WORKER_IPS="10.0.0.2 fd00::3 node-4.example.com"\n' + ports)
     resolve(Selection(env_files=(f,), environ={}))
-    f = env_file(tmp_path, 'V4_TRANSPORT=ssh\nV4_NUM_NODES=3\nV4_MASTER_IP=10.0.0.1\nV4_WORKER_IPS="10.0.0.2 n3;id"\n')
+    f = env_file(tmp_path, 'V4_TRANSPORT=ssh\nV4_NUM_NODES=3\nV4_MASTER_IP=10.0.0.1\nV4_WORKER_IPS="10.0.0.2 n3;id"\n'
+                 + ports)
     with pytest.raises(ConfigError, match=r"V4_WORKER_IPS entry 'n3;id' \(.*extra.env:4\) is not an address"):
         resolve(Selection(env_files=(f,), environ={}))
 
