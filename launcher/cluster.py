@@ -259,6 +259,7 @@ def cluster_commands(cfg, force: bool = False) -> list[NodeCommands]:
     common = dict(python=python, bin_dir=str(Path(python).parent) if python.startswith("/") else "", procs_py=source("ray_procs").rstrip("\n"),
                   cluster_name=cfg["V4_CLUSTER_NAME"], master_ip=cfg["V4_MASTER_IP"],
                   ray_port=cfg["V4_RAY_PORT"], dashboard_port=cfg["V4_DASHBOARD_PORT"],
+                  client_port=cfg["V4_RAY_CLIENT_PORT"],
                   num_gpus=expected_gpus(cfg), num_cpus=expected_cpus(cfg), env=_node_env(cfg),
                   socket_ifname=str(cfg.get("V4_SOCKET_IFNAME", "auto") or "auto"), force=force)
     out = []
@@ -322,6 +323,10 @@ class ClusterStatus:
     jobs: list[dict] | None = None
     problems: list[str] = field(default_factory=list)
     changed: bool = False                                    # set by `up` when it started anything
+    cluster_id: str = ""                                     # the GCS's, once it proved to be ours
+    foreign: str = ""                                        # what answers on our ports instead of our Ray
+    foreign_port: int = 0                                    # the port it holds
+    foreign_cluster_id: bool = False                         # held by our processes, but not the cluster id recorded
 
     @property
     def healthy(self) -> bool:
@@ -331,8 +336,11 @@ class ClusterStatus:
         return {"schema": STATUS_SCHEMA, **asdict(self), "healthy": self.healthy}
 
 
-def _probe_gcs(cfg, head: Node, timeout: float = 45) -> dict:
+def _probe_gcs(cfg, head: Node, timeout: float = 45, record: bool = False) -> dict:
+    """The head's view of the GCS (node_scripts/ray_gcs.py): nodes, jobs, and whether it is the Ray this checkout
+    started; `record`: write the GCS's cluster id as the one later probes must find."""
     cmd = (f"{shlex.quote(python_on_nodes(cfg))} - {shlex.quote(gcs_address(cfg))} {shlex.quote(dashboard_url(cfg))} "
+           f"{shlex.quote(ray_state_dir(cfg, head.name))}{' record' if record else ''} "
            f"<<'V4_GCS'\n{source('ray_gcs')}V4_GCS\n")
     r = head.run(cmd, env=auth_env(cfg, head.name), timeout=timeout)
     if not r.ok:
@@ -362,6 +370,13 @@ def _judge(cfg, st: ClusterStatus, gcs: dict) -> None:
     """Fill the GCS view into `st` and list every way it differs from the configuration."""
     st.gcs_ok, st.gcs_error = gcs["gcs_ok"], gcs.get("error", "")
     st.dashboard_ok, st.jobs = gcs.get("dashboard_ok", False), gcs.get("jobs")
+    st.cluster_id, st.foreign = gcs.get("cluster_id", ""), gcs.get("foreign", "")
+    st.foreign_port, st.foreign_cluster_id = gcs.get("foreign_port", 0), gcs.get("foreign_cluster_id", False)
+    if st.foreign:
+        # nothing it reports is about our cluster: its nodes are not ours to judge, its jobs not ours to show
+        st.problems.append(f"not this checkout's Ray: {st.foreign}")
+        st.gcs_ok, st.dashboard_ok, st.jobs = False, False, None
+        return
     alive = {n["ip"]: n for n in gcs["nodes"] if n["state"] == "ALIVE"}
     dead = {n["ip"]: n for n in gcs["nodes"] if n["state"] == "DEAD"}
     if not st.gcs_ok:
@@ -429,6 +444,21 @@ def _status(cfg, nodes: list[Node], procs: bool) -> ClusterStatus:
     return st
 
 
+def left_running(cfg) -> dict:
+    """What stays up after a run: the cluster's Ray, its addresses, and on this machine (V4_TRANSPORT=local) how many
+    processes it runs and their memory. Runs leave it up (the next starts at once; another run of this checkout may be
+    using it); `v4 cluster down` stops it."""
+    out = {"cluster": str(cfg["V4_CLUSTER_NAME"]), "nodes": len(cfg.nodes), "gcs": gcs_address(cfg),
+           "dashboard": dashboard_url(cfg), "client_server": f"{cfg['V4_MASTER_IP']}:{cfg['V4_RAY_CLIENT_PORT']}",
+           "processes": None, "rss_mb": None}
+    if cfg["V4_TRANSPORT"] == "local" and not cfg.get("V4_CONTAINER"):
+        from launcher.node_scripts import ray_procs
+        fp = ray_procs.footprint(ray_state_dir(cfg, cfg.nodes[0]))
+        if fp["recorded"]:
+            out.update(processes=fp["procs"], rss_mb=round(fp["rss_kb"] / 1024))
+    return out
+
+
 # --- up / down ----------------------------------------------------------------------------------
 
 def _needs_start(ns: NodeState) -> bool:
@@ -478,6 +508,21 @@ def _settled_problems_fix(cfg, st: ClusterStatus) -> str:
     return "; ".join(fixes) or "`v4 cluster status` shows it; `v4 cluster down`, then `v4 cluster up` restarts everything"
 
 
+def _foreign_fix(cfg, st: ClusterStatus) -> str:
+    """What to do when something other than this checkout's Ray holds a port of this cluster."""
+    from launcher.config.checks import at
+    from launcher.config.ports import is_auto, record_path
+    if st.foreign_cluster_id:
+        return (f"the record was left by an earlier head, or changed by hand: `v4 cluster down`, then `v4 cluster up` "
+                f"(a new head records its own id in {ray_state_dir(cfg, st.head)}/identity.json)")
+    key = next((k for k in ("V4_RAY_PORT", "V4_DASHBOARD_PORT") if cfg[k] == st.foreign_port), "V4_RAY_PORT")
+    stop = "or stop what holds it (a Ray of another checkout: `v4 cluster down` there)"
+    if is_auto(cfg, key):
+        return (f"{key}={cfg[key]} was picked free for this checkout and recorded in {record_path(cfg.values)}: "
+                f"`v4 cluster down`, delete that file and run again (free ports are picked again); {stop}")
+    return f"choose another {key} than {at(cfg, key)} (the cluster file, or --set {key}=PORT); {stop}"
+
+
 def _up(cfg, nodes: list[Node], cmds: list[NodeCommands], progress: Progress) -> ClusterStatus:
     t0 = time.monotonic()
     st = status(cfg, nodes)
@@ -490,6 +535,9 @@ def _up(cfg, nodes: list[Node], cmds: list[NodeCommands], progress: Progress) ->
                            "; ".join(ns.error for ns in st.nodes if not ns.reachable),
                            fix="run `v4 preflight --only ssh` and fix SSH access first")
     head = st.nodes[0]
+    if st.foreign:
+        raise ClusterError(f"cluster {st.cluster}: {st.foreign}; v4 does not join it, submit to it or send it this "
+                           "checkout's token", fix=_foreign_fix(cfg, st))
     if st.gcs_ok and not head.recorded:
         raise ClusterError(f"a Ray that v4 did not start answers at {st.gcs}",
                            fix="stop it, or choose another V4_RAY_PORT / V4_DASHBOARD_PORT")
@@ -508,7 +556,8 @@ def _up(cfg, nodes: list[Node], cmds: list[NodeCommands], progress: Progress) ->
         if cfg["V4_REDIS_HOST"] and cfg["V4_REDIS_PASSWORD"]:
             _on_node(hn, "installing the Redis password", lambda: _install_secret(
                 cfg, hn, redis_password_path(cfg, hn.name), str(cfg["V4_REDIS_PASSWORD"])))
-        progress(f"head {head.ip}: starting Ray (GCS :{cfg['V4_RAY_PORT']}, dashboard :{cfg['V4_DASHBOARD_PORT']})")
+        progress(f"head {head.ip}: starting Ray (GCS :{cfg['V4_RAY_PORT']}, dashboard :{cfg['V4_DASHBOARD_PORT']}, "
+                 f"client server :{cfg['V4_RAY_CLIENT_PORT']})")
         _check([_on_node(hn, "ray start (head)", lambda: hn.run(cmds[0].start))], "ray start (head)")
         todo = cmds[1:]                       # a new head: every worker must (re)join it
     else:
@@ -528,6 +577,14 @@ def _up(cfg, nodes: list[Node], cmds: list[NodeCommands], progress: Progress) ->
         _check(fan_out([by_ip[c.ip] for c in todo], lambda n: n.run(next(c for c in todo if c.ip == n.name).start)),
                "ray start (worker)")
     wait_ready(cfg, nodes, progress=progress)
+    if head_started:
+        # The GCS just started is ours (its port is held by our tagged processes): its cluster id is what every
+        # later `up`, `status` and run must find there before they trust it.
+        hn = by_ip[head.ip]
+        ident = _on_node(hn, "recording the cluster id", lambda: _probe_gcs(cfg, hn, record=True))
+        if not ident["gcs_ok"] or ident["recorded_cluster_id"] != ident["cluster_id"]:
+            raise ClusterError(f"could not record the cluster id of the Ray head on {head.ip}: "
+                               f"{ident['foreign'] or ident['error']}", fix="`v4 cluster status` shows what runs there")
     # Record again now that every daemon is up (agents start after `ray start` returns).
     started = [cmds[0], *todo] if head_started else todo
     fan_out([by_ip[c.ip] for c in started],
@@ -561,6 +618,9 @@ def wait_ready(cfg, nodes: list[Node], progress: Progress = _stderr, timeout: fl
             beat = now + heartbeat
         if st.healthy:
             return st
+        if st.foreign:
+            # waiting will not make another's Ray ours
+            raise ClusterError(f"cluster {st.cluster}: {st.foreign}", fix=_foreign_fix(cfg, st))
         if now > deadline:
             missing = [ns.ip for ns in st.nodes if ns.gcs_state != "ALIVE"]
             raise ClusterError(

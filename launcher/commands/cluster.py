@@ -19,7 +19,8 @@ def cluster():
 def render_status(st) -> str:
     alive = sum(n.gcs_state == "ALIVE" for n in st.nodes)
     lines = [f"cluster {st.cluster}: {'healthy' if st.healthy else 'NOT healthy'} ({alive}/{len(st.nodes)} nodes ALIVE)"
-             f"  GCS {st.gcs}  dashboard {st.dashboard}{'' if st.dashboard_ok else ' (down)'}"]
+             f"  GCS {st.gcs}  dashboard {st.dashboard}{'' if st.dashboard_ok else ' (down)'}"
+             + (f"  cluster id {st.cluster_id[:12]}" if st.cluster_id else "")]
     rows = [("NODE", "ROLE", "HOSTNAME", "RAY", "CPU", "GPU", "RAYLET", "V4 PROCS")]
     for n in st.nodes:
         raylet = n.proc("raylet")
@@ -90,7 +91,9 @@ def init(name, template, sets, force, no_container, **opts):
 @config_options()
 @click.option("--json", "as_json", is_flag=True, help="print the resulting status as JSON on stdout")
 def up(selection, as_json):
-    """Start Ray: head, then workers; wait until the GCS reports every node. No-op when healthy."""
+    """Start Ray: head, then workers; wait until the GCS reports every node. No-op when healthy. A Ray on the
+    cluster's ports that this checkout did not start (another user's, another clone's) is refused, exit 5: never
+    joined, never sent the token."""
     from launcher import cluster as c
     cfg = load_config(selection)
     st = c.up(cfg)
@@ -103,8 +106,9 @@ def up(selection, as_json):
               help="on nodes where v4 recorded no Ray, fall back to `ray stop --force` (stops EVERY Ray process there)")
 @click.option("--json", "as_json", is_flag=True, help="per-node report as JSON on stdout")
 def down(selection, force, as_json):
-    """Stop the Ray processes v4 started (recorded per node); other Ray processes are left alone. With
-    V4_ROLLOUT_ENGINE=sglang, the SGLang rollout servers v4 started on the rollout nodes are stopped first."""
+    """Stop the Ray processes v4 started (recorded per node); other Ray processes are left alone. Runs leave Ray up
+    (the next starts at once); this stops it. With V4_ROLLOUT_ENGINE=sglang, the SGLang rollout servers v4 started on
+    the rollout nodes are stopped first."""
     from launcher import cluster as c
     from launcher import rollout
     cfg = load_config(selection)

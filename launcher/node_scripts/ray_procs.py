@@ -1,6 +1,6 @@
 """Record, inspect and stop the Ray processes the launcher started on this node.
 
-Usage: python - record|status|stop LOCAL_DIR  (script on stdin; prints JSON)
+Usage: python - record|status|stop|footprint LOCAL_DIR  (script on stdin; prints JSON)
 
 Every process of a launcher-started Ray carries V4_RAY_SESSION=<token> in its environment (set
 before `ray start`; Ray's daemons and workers inherit it). That token, not a process name, is
@@ -16,6 +16,7 @@ import sys
 import time
 
 RECORD = "ray_procs.json"
+IDENTITY = "identity.json"
 
 
 def proc_stat(pid):
@@ -131,6 +132,23 @@ def status(local_dir):
             "unrecorded_alive": [p for p in marked(rec["session"]) if p not in recorded]}
 
 
+def footprint(local_dir):
+    """How many processes our Ray runs here, and their resident memory: what `stop` would stop."""
+    rec = load(local_dir)
+    if rec is None:
+        return {"recorded": False, "procs": 0, "rss_kb": 0}
+    live = {p["pid"] for p in rec["procs"] if alive(p)}
+    pids = {p for p in live | descendants(live) | set(marked(rec["session"])) if _up(p)}
+    rss = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                rss += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+        except (OSError, ValueError, IndexError):
+            pass
+    return {"recorded": True, "procs": len(pids), "rss_kb": rss}
+
+
 # Signalled together, Ray's daemons wait on one another: raylet, gcs_server and monitor outlived a SIGTERM by more
 # than 8 s, so every stop fell through to SIGKILL after the whole grace. One after another in this order, each exited on
 # its SIGTERM within 0.7 s (Ray 2.60, local head: 0.83 s for all of it); whatever is left goes last.
@@ -160,6 +178,11 @@ def stop(local_dir, grace=5.0):
     remaining = sorted(targets)
     if not remaining:
         os.replace(os.path.join(local_dir, RECORD), os.path.join(local_dir, RECORD + ".stopped"))
+        # the stopped head's cluster id (ray_gcs.py): no later Ray on this port is that cluster
+        try:
+            os.unlink(os.path.join(local_dir, IDENTITY))
+        except FileNotFoundError:
+            pass
     return {"recorded": True, "stopped": sorted({p["pid"] for p in rec["procs"]}), "killed": killed,
             "remaining": remaining}
 
@@ -190,4 +213,4 @@ def _not_zombie(pid):
 
 if __name__ == "__main__":
     action, local_dir = sys.argv[1], sys.argv[2]
-    print(json.dumps({"record": record, "status": status, "stop": stop}[action](local_dir)))
+    print(json.dumps({"record": record, "status": status, "stop": stop, "footprint": footprint}[action](local_dir)))
