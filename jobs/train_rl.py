@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.common import RunContext, done, fingerprint, log, mark_done, ranks_local
-from jobs.train_sft import layout_from, model_config, world_size
+from jobs.train_sft import layout_from, model_config, watched, world_size
 
 
 def rl_config(cfg: dict, task, scratch: Path):
@@ -115,8 +115,9 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: RLJob
     from dsv4.rl.loop import run_grpo
     quiet_libraries()
     ctx = RunContext.load(job.run_dir)
-    cfg, tc = ctx.cfg, job.tc
-    init_distributed(rank, world, job.backend, tc.device, master_addr, master_port)
+    cfg = ctx.cfg
+    tc, pg_timeout_s = watched(job.tc, ctx, rank, world, master_addr)     # the hang watchdog's heartbeat
+    init_distributed(rank, world, job.backend, tc.device, master_addr, master_port, timeout_s=pg_timeout_s)
     init_parallel(tc.layout, tc.seed)
     task, reward_fn = _task_and_reward(cfg, ctx.paths.bf16_dir)
     torch_dist = ctx.paths.torch_dist_dir

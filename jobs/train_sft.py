@@ -11,10 +11,14 @@ world starts one Ray actor per rank (dsv4.megatron.launch). Writes:
   DIR/steps/train/nan_capture.json     what `v4 nan bisect` needs to replay that step (docs/nan.md)
 Exit codes: 0 done, 1 failed, 2 bad configuration, 16 non-finite loss or gradient.
 A re-run continues from the latest checkpoint; a finished run (sentinel present) is skipped.
-Test hooks (environment): V4_PLANT_NAN="MODULE:STEP[:forward|backward][@COND,...]", V4_KILL_AT_STEP=N.
+Test hooks (environment): V4_PLANT_NAN="MODULE:STEP[:forward|backward][@COND,...]", V4_KILL_AT_STEP=N;
+(config) PRESET_PLANT_HANG="RANK:STEP" makes a rank sleep before a collective (the hang watchdog's test).
+With PRESET_HANG_TIMEOUT > 0 every rank keeps a heartbeat under DIR/heartbeat/ (dsv4/heartbeat.py) that the
+launcher's watchdog reads (launcher/watchdog.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +120,19 @@ def tokenizer_dirs(cfg: dict) -> list[str]:
     return [str(d) for d in checkpoint_dirs(cfg)]
 
 
+def watched(tc, ctx: RunContext, rank: int, world: int, master_addr: str):
+    """`tc` with the hang watchdog's heartbeat (under RUN/heartbeat when PRESET_HANG_TIMEOUT > 0) and the planted
+    hang (PRESET_PLANT_HANG); the rank's first mark, made before the rendezvous; the process group's timeout.
+    Shared by the SFT and RL workers."""
+    import megatron.core  # noqa: F401 - seconds of imports, before the first mark: not a stretch to judge
+    from dsv4.heartbeat import HEARTBEAT_DIR, Heartbeat, collective_timeout_s
+    hang_s = float(ctx.cfg.get("PRESET_HANG_TIMEOUT") or 0)
+    tc = dataclasses.replace(tc, heartbeat_dir=str(ctx.run_dir / HEARTBEAT_DIR) if hang_s > 0 else "",
+                             plant_hang=str(ctx.cfg.get("PRESET_PLANT_HANG") or ""))
+    Heartbeat(tc.heartbeat_dir, rank, world, master_addr, plant=tc.plant_hang).mark(0, "start")
+    return tc, collective_timeout_s(str(ctx.cfg.get("HW_DIST_BACKEND") or "gloo"), hang_s)
+
+
 def worker(rank: int, world: int, master_addr: str, master_port: int, job: SFTJob) -> int:
     """One rank of the training job (in process, or inside a Ray actor)."""
     from dsv4.megatron.train import quiet_libraries
@@ -123,8 +140,8 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: SFTJo
     ctx = RunContext.load(job.run_dir)           # also exports the socket interface for gloo/NCCL
     from dsv4.megatron.parallel import init_parallel
     from dsv4.megatron.train import Outputs, init_distributed, run_sft
-    tc = job.tc
-    init_distributed(rank, world, job.backend, tc.device, master_addr, master_port)
+    tc, pg_timeout_s = watched(job.tc, ctx, rank, world, master_addr)
+    init_distributed(rank, world, job.backend, tc.device, master_addr, master_port, timeout_s=pg_timeout_s)
     init_parallel(tc.layout, tc.seed)
     step_dir = Path(job.run_dir) / "steps" / "train"
     torch_dist = Path(ctx.cfg["CKPT_TORCH_DIST"]) if ctx.cfg.get("CKPT_TORCH_DIST") else None

@@ -34,12 +34,13 @@ def _stderr(msg: str) -> None:
 @dataclass
 class Outcome:
     submission_id: str
-    status: str                 # SUCCEEDED | FAILED | STOPPED | TIMEOUT
+    status: str                 # SUCCEEDED | FAILED | STOPPED | TIMEOUT | HUNG (launcher/watchdog.py)
     exit_code: int | None
     elapsed_s: float
     message: str
     log_path: str
     log_tail: str
+    hang: dict | None = None    # HUNG: launcher.watchdog.Hang (the rank(s) behind, where the stacks are)
 
     @property
     def ok(self) -> bool:
@@ -120,9 +121,13 @@ def _follow_quietly(c, sid, sink, stop) -> None:
 
 
 def wait(cfg, sid: str, timeout_s: float, log_path: Path | str | None = None, c=None,
-         progress: Progress = _stderr, echo: bool = True) -> Outcome:
-    """Follow job `sid` until it ends or `timeout_s` passes (then it is stopped: TIMEOUT)."""
+         progress: Progress = _stderr, echo: bool = True, run_dir: Path | str | None = None) -> Outcome:
+    """Follow job `sid` until it ends or `timeout_s` passes (then it is stopped: TIMEOUT). With `run_dir`, the hang
+    watchdog (launcher/watchdog.py) reads its ranks' heartbeats meanwhile: a hang is stopped too (HUNG, exit 124)."""
+    from launcher import watchdog
     c = c or client(cfg)
+    dog = watchdog.for_job(cfg, run_dir, progress)
+    hang = None
     t0 = time.monotonic()
     stop = threading.Event()
     pending = [""]
@@ -142,9 +147,12 @@ def wait(cfg, sid: str, timeout_s: float, log_path: Path | str | None = None, c=
         status = info.status.value
         if status in TERMINAL:
             break
-        if time.monotonic() - t0 > timeout_s:
-            timed_out = True
-            progress(f"job {sid}: still {status} after {timeout_s:g} s; stopping it")
+        if dog is not None and (hang := dog.poll()) is not None:
+            progress(f"job {sid}: hung; stopping it")
+        if hang is not None or time.monotonic() - t0 > timeout_s:
+            timed_out = hang is None
+            if timed_out:
+                progress(f"job {sid}: still {status} after {timeout_s:g} s; stopping it")
             c.stop_job(sid)
             for _ in range(30):
                 info = c.get_job_info(sid)
@@ -160,16 +168,19 @@ def wait(cfg, sid: str, timeout_s: float, log_path: Path | str | None = None, c=
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         Path(log_path).write_text(logs)
     code = getattr(info, "driver_exit_code", None)
-    return Outcome(submission_id=sid, status="TIMEOUT" if timed_out else info.status.value,
-                   exit_code=124 if timed_out else code, elapsed_s=round(time.monotonic() - t0, 2),
-                   message=info.message or "", log_path=str(log_path or ""),
-                   log_tail="\n".join(logs.splitlines()[-40:]))
+    return Outcome(submission_id=sid, status="HUNG" if hang else "TIMEOUT" if timed_out else info.status.value,
+                   exit_code=124 if timed_out or hang else code, elapsed_s=round(time.monotonic() - t0, 2),
+                   message=hang.message if hang else info.message or "", log_path=str(log_path or ""),
+                   log_tail="\n".join(logs.splitlines()[-40:]), hang=hang.model_dump() if hang else None)
 
 
 def submit_and_wait(cfg, job, log_path: Path | str | None = None, progress: Progress = _stderr) -> Outcome:
+    from launcher import watchdog
     c = client(cfg)
+    run_dir = job.runtime_env.get("env_vars", {}).get("V4_RUN_DIR")
+    watchdog.clear(run_dir)           # before the job starts: an earlier job's heartbeats are not this one's
     sid = submit(cfg, job, c, progress)
-    return wait(cfg, sid, job.timeout_s, log_path, c, progress)
+    return wait(cfg, sid, job.timeout_s, log_path, c, progress, run_dir=run_dir)
 
 
 def job_status(cfg, sid: str, c=None) -> str | None:

@@ -458,7 +458,7 @@ def _job(cfg, run, step: Step, jobs, resume_cmd: str = "", restart_running: bool
             outcome = follow_local(status, run.dir, log, left, on_stop=lambda: run.set_step(
                 step.name, "running", stop_requested=True))
         else:
-            outcome = jobs.wait(cfg, sid, left, log_path=log, progress=say)
+            outcome = jobs.wait(cfg, sid, left, log_path=log, progress=say, run_dir=run.dir)
     else:
         attempts = len(status.get("submission_ids", []))
         if attempts:
@@ -496,6 +496,9 @@ def _job(cfg, run, step: Step, jobs, resume_cmd: str = "", restart_running: bool
                              f"{where.get('rank', '?')}, {first}",
                              fix=f"see {nf}; find the cause (replays the step, switch by switch): "
                                  f"{' '.join(['v4 nan bisect', run.id, *config_flags(cfg)])}")
+    if outcome.hang:                   # the hang watchdog stopped it (launcher/watchdog.py)
+        from launcher import watchdog
+        raise watchdog.hang_error(step.name, outcome.hang)
     if outcome.exit_code == TIMEOUT or outcome.status == "TIMEOUT":
         raise Timeout(f"{step.name}: no result within {step.job.timeout_s:.0f} s (PRESET_JOB_TIMEOUT)")
     why = f"exit code {outcome.exit_code}" if outcome.exit_code is not None else outcome.message or "no exit code"
@@ -564,6 +567,13 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
         w = max(1, min(cfg["PRESET_RL_GATE_WINDOW"], len(rows)))
         summary["reward_first"] = sum(r["reward_mean"] for r in rows[:w]) / w
         summary["reward_last"] = sum(r["reward_mean"] for r in rows[-w:]) / w
+    ray = None
+    if cfg["V4_EXECUTOR"] == "ray":
+        # Ray is left up, and said so: it is this checkout's cluster, not this run's (another run may be using it),
+        # and the next run starts at once; `v4 cluster down` stops it.
+        from launcher.cluster import left_running
+        ray = summary["ray_left_running"] = {**left_running(cfg),
+                                             "down": " ".join(["v4 cluster down", *config_flags(cfg)])}
     run.write_json("summary.json", summary)
     if as_json:
         print(json.dumps(summary, indent=2))
@@ -576,6 +586,11 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
     say(f"\nrun {plan.run_id} PASSED in {elapsed:.0f} s: {summary['steps']} steps, {progress}, "
         f"{fmt(summary['step_time_s'], '.2f')} s/step, {fmt(summary['tokens_per_s'], '.0f')} tokens/s{speed}, "
         f"peak {fmt(summary['peak_mem_gb'], '.2f')} GB")
+    if ray:
+        size = "" if ray["processes"] is None else f"; {ray['processes']} processes, {ray['rss_mb']} MB here"
+        say(f"Ray stays up for later runs: cluster {ray['cluster']} ({ray['nodes']} node(s)), GCS {ray['gcs']}, "
+            f"dashboard {ray['dashboard']}, client server {ray['client_server']}{size}")
+        say(f"  stop it: {ray['down']}")
     say("next:")
     say(f"  {runs_command(cfg, 'show', plan.run_id)}")
     if nxt:
@@ -607,6 +622,8 @@ def run_local(cfg, job, log_path: Path, progress=say, on_start=None, on_stop=Non
     log_path.parent.mkdir(parents=True, exist_ok=True)
     exit_record_path(log_path).unlink(missing_ok=True)
     t0 = time.time()
+    from launcher import watchdog          # the hang watchdog: before the job starts, as it clears old heartbeats
+    dog = watchdog.for_job(cfg, job.runtime_env["env_vars"].get("V4_RUN_DIR"), progress, fresh=True)
     progress(f"running {job.entrypoint}")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-I", str(SUPERVISOR), str(exit_record_path(log_path)),
@@ -619,10 +636,13 @@ def run_local(cfg, job, log_path: Path, progress=say, on_start=None, on_stop=Non
         if on_start is not None:
             on_start(proc.pid)
         try:
-            proc.wait(timeout=job.timeout_s)
+            watchdog.wait_process(proc, job.timeout_s, dog)
         except subprocess.TimeoutExpired:
             status = "TIMEOUT"
             progress(f"still running after {job.timeout_s:g} s (PRESET_JOB_TIMEOUT); stopping it")
+        except watchdog.Hung:
+            status = "HUNG"
+            progress("hung (the watchdog above); stopping it")
     finally:
         if proc.poll() is None:      # timed out, or we are being interrupted: stop its whole group
             if on_stop is not None:
@@ -635,6 +655,8 @@ def run_local(cfg, job, log_path: Path, progress=say, on_start=None, on_stop=Non
         rc = rec["exit_code"]              # the job's own code (-N: killed by signal N), not its supervisor's
     outcome = _local_outcome(job.submission_id, status or ("SUCCEEDED" if rc == 0 else "FAILED"), rc,
                              time.time() - t0, log_path)
+    if status == "HUNG":
+        outcome.exit_code, outcome.message, outcome.hang = TIMEOUT, dog.hang.message, dog.hang.model_dump()
     return outcome
 
 

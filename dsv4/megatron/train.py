@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from dsv4.config import ModelConfig
 from dsv4.fileio import atomic_write
+from dsv4.heartbeat import Heartbeat
 from dsv4.megatron import cpu_shim
 from dsv4.megatron.model import DSV4Stage, Objective, model_provider
 from dsv4.megatron.nanwatch import NonFiniteMonitor, PlantSpec, run_facts
@@ -72,6 +73,9 @@ class TrainConfig:
     nonfinite_locate: str = "rerun"
     peak_tflops: float = 0.0              # dense bf16 peak of one device: MFU's denominator (0: no MFU)
     adam_kernel: str = "fused"            # fused | foreach: torch's Adam kernels on CUDA (a CPU keeps foreach)
+    # progress marks for a hang watchdog (dsv4/heartbeat.py): their directory ("" = none) and the planted-hang test hook
+    heartbeat_dir: str = ""
+    plant_hang: str = ""
 
     def micro_batches_per_step(self, dp: int) -> int:
         if self.global_batch_size % (self.micro_batch_size * dp):
@@ -82,8 +86,9 @@ class TrainConfig:
 
 # ================================================================================================ process setup
 def init_distributed(rank: int, world: int, backend: str, device: str, master_addr: str | None = None,
-                     master_port: int | None = None) -> None:
-    """torch.distributed for this rank, and the CPU shim when no GPU is used."""
+                     master_port: int | None = None, timeout_s: float | None = None) -> None:
+    """torch.distributed for this rank, and the CPU shim when no GPU is used. timeout_s: the process group's
+    collective timeout (None: torch's default; dsv4.heartbeat.collective_timeout_s under a hang watchdog)."""
     if master_addr:
         os.environ["MASTER_ADDR"] = master_addr
     if master_port:
@@ -100,6 +105,9 @@ def init_distributed(rank: int, world: int, backend: str, device: str, master_ad
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1))
         if backend == "nccl":      # the group's GPU stated, not guessed at its first barrier (torch warns then)
             bound["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    if timeout_s:
+        from datetime import timedelta
+        bound["timeout"] = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, **bound)
 
@@ -259,6 +267,7 @@ class Trainer:
         if tc.device == "cuda":
             stage = stage.cuda()
         stage.recompute = tc.recompute == "full"
+        self.heartbeat = Heartbeat(tc.heartbeat_dir, self.ranks.rank, self.ranks.world, plant=tc.plant_hang)
         self.stage = stage
         self.config = stage.config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -333,14 +342,17 @@ class Trainer:
         t0 = time.perf_counter()
         self.monitor.step_no = self.iteration + 1
         self.monitor.reset()
+        self.heartbeat.mark(self.iteration + 1, "step")
         loss, mtp, n_tok = self._forward_backward(micro_batches)
         if on_grads is not None:
             on_grads()
+        self.heartbeat.mark(self.iteration + 1, "grads_finite")
         grads_finite = self._grads_finite()
         finite = math.isfinite(loss) and grads_finite
         grad_norm, lr = float("nan"), self.optimizer.param_groups[0]["lr"]
         updated = False
         if finite and update:
+            self.heartbeat.mark(self.iteration + 1, "optimizer")
             ok, grad_norm, _ = self.optimizer.step()
             updated = bool(ok)
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
@@ -386,6 +398,7 @@ class Trainer:
             for d in store:
                 t += torch.tensor([float(d["lm"][0]), float(d["mtp"][0]), float(d["lm"][1])], dtype=torch.float64)
         t = t.to(self._comm_device())
+        self.heartbeat.mark(self.iteration + 1, "reduce_losses")
         dist.all_reduce(t)
         lm, mtp, n = t.tolist()
         return lm / max(n, 1), mtp / max(n, 1), int(n)
@@ -477,6 +490,7 @@ class Trainer:
         `latest` pointer moves only after every rank finished writing."""
         from megatron.core import dist_checkpointing
         it = self.iteration if iteration is None else iteration
+        self.heartbeat.mark(it, "save")
         path = Path(root) / f"iter_{it:07d}"
         if self.ranks.rank == 0:
             if path.exists():
@@ -505,6 +519,7 @@ class Trainer:
     def load(self, path: Path, with_optimizer: bool = True) -> int:
         """Load a checkpoint directory written by `save` (or model-only by jobs.convert_ckpt)."""
         from megatron.core import dist_checkpointing
+        self.heartbeat.mark(self.iteration, "restore")
         model_sd = self.stage.sharded_state_dict()
         request = {"model": model_sd}
         if with_optimizer:

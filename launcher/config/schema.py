@@ -134,6 +134,17 @@ KEYS: list[Key] = [
     _k("HW_NCCL_NVLS_ENABLE", "bool", 0, "hw", "NVLink SHARP (multicast) in NCCL; keep 0 where the host forbids it"),
     _k("HW_NCCL_MIN_BUSBW_GBPS", "float", 0, "hw",
        "preflight `nccl`: the all-reduce bus bandwidth across a node's GPUs below which it warns (0: no floor)"),
+    _k("HW_GEMM_TFLOPS", "float", 0, "hw",
+       "preflight `gpu_perf`: the bf16 GEMM TFLOP/s a healthy GPU of this model reaches in the probe (0: judged "
+       "against the other GPUs only)"),
+    _k("HW_HBM_GBPS", "float", 0, "hw",
+       "preflight `gpu_perf`: the device-to-device copy bandwidth (read + write, GB/s) a healthy GPU reaches in the "
+       "probe (0: judged against the other GPUs only)"),
+    _k("HW_GPU_PROBE_MIN_FRACTION", "float", 0.8, "hw",
+       "preflight `gpu_perf`: a GPU below this fraction of the expected GEMM or copy figure fails (docs/resilience.md)"),
+    _k("V4_NCCL_MIN_PAIR_BUSBW_GBPS", "float", 0, "cluster",
+       "preflight `nccl_pairs`: the all-reduce bus bandwidth between two nodes' GPUs below which a pair fails (the "
+       "fabric's figure; 0: pairs are judged against one another only)"),
     _k("HW_PYTORCH_CUDA_ALLOC_CONF", "str", "expandable_segments:True", "hw", "PYTORCH_CUDA_ALLOC_CONF for jobs"),
     _k("HW_SMOKE_MODEL", "str", "tiny", "hw", "model the smoke preset uses on this hardware"),
     _k("HW_SMOKE_MODEL_OVERRIDES", "list", "", "hw",
@@ -217,6 +228,14 @@ KEYS: list[Key] = [
        "(free while steps are finite), every_step keeps them on (a fault that does not repeat), off names none",
        ("rerun", "every_step", "off")),
     _k("PRESET_JOB_TIMEOUT", "float", 3600, "preset", "seconds a pipeline step may run before it is stopped"),
+    # docs/resilience.md: longer than the slowest stretch between two heartbeats (a step, a checkpoint save or
+    # load) of the largest runs, shorter than a hang should cost; the ranks' collective timeout becomes twice it
+    _k("PRESET_HANG_TIMEOUT", "float", 1800, "preset",
+       "seconds without a heartbeat from any training rank before every rank's Python stacks go to RUN/hang and the "
+       "step is stopped (exit 124; 0: no watchdog)"),
+    _k("PRESET_PLANT_HANG", "str", "", "preset",
+       "fault injection for tests: RANK:STEP[:PHASE] makes that rank sleep for good before the loss all-reduce "
+       "(or PHASE, dsv4/heartbeat.py) of that step"),
     # --- RL (PRESET_MODE=rl; docs/rl.md) ----------------------------------------------------------
     _k("PRESET_RL_TASK", "str", "echo", "preset", "prompts and reward: echo, copy, math (dsv4/rl/tasks.py)"),
     _k("PRESET_RL_REWARD", "str", "", "preset",
