@@ -11,7 +11,8 @@ rebuilds step N's batch from the run's data order, checks its rows against the c
 backward once with forensics hooks (no optimizer update), and writes DIR/result.json:
   {"finite", "loss", "grad_norm", "first" (the monitor's first module), "forensics" (the first non-finite
    tensor forward and backward: module, kind, micro-batch, rows, NaN/Inf counts, largest inputs),
-   "data_matches_capture", "seconds", "layout", "model"}.
+   "data_matches_capture", "data_changed_rows" (the global rows whose hash is not the capture's), "seconds",
+   "layout", "model"}.
 Exit codes: 0 the rung ran (finite or not: result.json says), 1 it could not run, 2 bad rung or run.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from dsv4.fileio import atomic_write
 from jobs.common import RunContext, log, ranks_local
+from jobs.nan_capture import CaptureError, load_capture
 from jobs.train_sft import DATA_SEED_OFFSET, SFTData, tokenizer_dirs, train_config, world_size
 
 
@@ -104,6 +106,7 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: Rung)
     # the capture's rows of all DP ranks, in DP order: the same global batch whatever this rung's DP is
     want = [h for k in sorted(cap["rows_by_dp_rank"], key=int) for h in cap["rows_by_dp_rank"][k]]
     mine = want[r.dp_rank * rows_per_rank:(r.dp_rank + 1) * rows_per_rank]
+    changed = [r.dp_rank * rows_per_rank + i for i, (h, w) in enumerate(zip(hashes, mine)) if h != w]
     if job.sample:
         # the sample is named by its row in the captured global batch; any rank can rebuild its holder's rows
         holder, index = divmod(int(job.sample["global_row"]), rows_per_rank)
@@ -115,11 +118,12 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: Rung)
     forensics.detach()
     found = [None] * world
     torch.distributed.all_gather_object(found, {"rank": r.rank, "dp_rank": r.dp_rank, "pp_rank": r.pp_rank,
-                                                "found": forensics.found, "data_ok": hashes == mine})
+                                                "found": forensics.found, "data_ok": hashes == mine, "changed": changed})
     if r.rank == 0:
         result = {"finite": res.finite, "loss": res.loss, "grad_norm": res.grad_norm,
                   "first": res.nonfinite and {k: res.nonfinite[k] for k in ("module", "phase", "kind", "rank")},
                   "forensics": _first_found(found), "data_matches_capture": all(f["data_ok"] for f in found),
+                  "data_changed_rows": sorted({g for f in found for g in f["changed"]}),
                   "seconds": round(time.perf_counter() - t0, 2), "world": world,
                   "layout": {"tp": tc.layout.tp, "pp": tc.layout.pp, "ep": tc.layout.ep, "dp": r.dp},
                   "model": {"attn_impl": tc.model.attn_impl, "dtype": tc.model.dtype, "recompute": tc.recompute,
@@ -143,17 +147,6 @@ def _first_found(found: list[dict]) -> dict:
     return out
 
 
-def load_capture(run_dir: Path) -> dict:
-    path = run_dir / "steps" / "train" / "nan_capture.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the run did not stop on a non-finite step, or stopped before "
-                                f"captures were kept (re-run it to the failing step)")
-    cap = json.loads(path.read_text())
-    if not Path(cap["checkpoint"]).is_dir():
-        raise FileNotFoundError(f"the capture's checkpoint {cap['checkpoint']} is gone (pruned or moved)")
-    return cap
-
-
 def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,7 +165,7 @@ def main(argv=None) -> int:
         tc = replace(tc, nonfinite_locate="every_step")
         world = 1 if "layout_1" in rung.get("switches", []) else world_size(cfg)
         tc.layout.validate(tc.model, world, tc.seq_len)
-    except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError) as e:
+    except (ValueError, KeyError, FileNotFoundError, CaptureError) as e:
         log(f"error: {e}")
         return 2
     if cfg.get("PRESET_PLANT_NAN"):               # the run's planted fault, as its jobs had it (launcher/plan.py)

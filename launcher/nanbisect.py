@@ -16,6 +16,11 @@ switches flipped; nothing is downloaded, dequantized or converted again. The lad
    (`v4 nan bisect-kernel`) at the step's attention shape when this machine has a GPU and TileLang.
 
 The report (report.md + report.json) names the culprit, the forensics and every rung with its time.
+
+A culprit is only worth its data: the reproduction checks the step's rows against the capture's hashes, and where
+the data file changed since the run the bisect stops there (exit 2, naming the rows) unless told
+`allow_changed_data`, and then the report says on what it was found. An attempt that could not replay the step at
+all (a truncated checkpoint, a crash) leaves an earlier report where it is.
 """
 from __future__ import annotations
 
@@ -73,6 +78,11 @@ class Report:
     cut_layers: int | None = None     # layout_1 ran on the first cut_layers layers (the whole model outgrows a GPU)
     seconds: float = 0.0
     exit_code: int = NO_CULPRIT
+    replayed: bool = False            # the step was replayed at all (else: no verdict about the fault)
+    data_changed_rows: list[int] = field(default_factory=list)   # rows of the step's global batch unlike the capture
+    data_changed: bool = False        # the replayed rows are not the captured ones
+    allowed_changed_data: bool = False
+    fix: str = ""                     # what to do, where the bisect refused or could not run
 
 
 def one_device_state_gb(m) -> float:
@@ -189,8 +199,7 @@ class Ladder:
             rr.result = json.loads((d / "result.json").read_text())
             rr.finite = bool(rr.result["finite"])
         else:
-            tail = (d / "log").read_text().strip().splitlines()[-5:]
-            rr.error = f"exit {code}" + (": " + " | ".join(tail) if tail else "") + f" (log: {d / 'log'})"
+            rr.error = f"exit {code}: {_log_error(d / 'log')} (log: {d / 'log'})"
         self.rungs.append(rr)
         state = "finite" if rr.finite else "non-finite" if rr.finite is False else f"failed: {rr.error}"
         self.log(f"  rung {name:<28} {state:<11} {rr.seconds:6.1f} s")
@@ -222,18 +231,33 @@ class Ladder:
             return [f.result() for f in futs]
 
 
+def run_values(run_dir: Path) -> dict:
+    """The run's resolved configuration (config.json's values); ValueError where it cannot be read."""
+    path = run_dir / "config.json"
+    try:
+        values = json.loads(path.read_bytes().decode("utf-8"))["values"]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: {run_dir} is not a run directory of this tool") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} cannot be read as a run's configuration ({type(e).__name__}: {e})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: its values are not an object")
+    return values
+
+
 def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0, kernel: bool = True,
            log=lambda m: print(m, file=sys.stderr, flush=True), cluster_cfg=None,
-           memory_gb: float | None = None) -> Report:
+           memory_gb: float | None = None, allow_changed_data: bool = False) -> Report:
     """`cluster_cfg`: the launcher's configuration of the run's cluster; with the Ray executor the rungs are Ray
     jobs there. `memory_gb`: what one device holds, for the one-process rung (default: the run's
-    HW_GPU_MEMORY_GB)."""
-    from jobs.nan_replay import load_capture
+    HW_GPU_MEMORY_GB). `allow_changed_data`: go on where the replayed rows are not the captured ones.
+    FileNotFoundError or ValueError (jobs.nan_capture.CaptureError among them): nothing to replay."""
+    from jobs.nan_capture import load_capture
     from jobs.train_sft import world_size
     t0 = time.perf_counter()
-    cfg = json.loads((run_dir / "config.json").read_text())["values"]
+    cfg = run_values(run_dir)
     capture = load_capture(run_dir)
-    report = Report(run_dir.name, capture["step"], False, "")
+    report = Report(run_dir.name, capture["step"], False, "", allowed_changed_data=allow_changed_data)
     # the rungs run where the run's train step ran: its own executor decides, not this command's
     ladder = Ladder(run_dir, out, world_size(cfg), cfg["HW_DEVICE"], parallel, timeout, log,
                     cluster_cfg if cfg.get("V4_EXECUTOR") == "ray" else None)
@@ -248,10 +272,30 @@ def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0,
 
     base = ladder.run("reproduce", [])
     if base.finite is None:
+        report.fix = (f"the rung's log says why ({out / 'rungs' / 'reproduce' / 'log'}); where the capture's "
+                      f"checkpoint {capture['checkpoint']} cannot be read (cut short, corrupted), re-run the run to "
+                      f"its failing step to capture it again")
         return finish(f"could not replay the step: {base.error}", NO_CULPRIT)
+    report.replayed = True
     report.forensics = base.result.get("forensics") or {}
-    data_note = "" if base.result.get("data_matches_capture") else \
-        " (the replayed rows differ from the captured ones: the data file changed since the run)"
+    data_note = ""
+    if not base.result.get("data_matches_capture"):
+        report.data_changed = True
+        report.data_changed_rows = list(base.result.get("data_changed_rows") or [])
+        n = sum(len(v) for v in capture["rows_by_dp_rank"].values())
+        rows = (f"{len(report.data_changed_rows)} of step {capture['step']}'s {n} rows, "
+                f"{_rows_text(report.data_changed_rows, capture)}," if report.data_changed_rows else
+                f"step {capture['step']}'s rows")
+        changed = (f"{rows} are not the rows the run trained on (their hashes differ from the capture's): "
+                   f"{cfg.get('V4_SFT_DATA') or 'the data file'} changed since the run")
+        if not allow_changed_data:
+            report.replayed = False
+            report.fix = ("restore the data the run trained on, or pass --allow-changed-data to bisect on the rows "
+                          "as they are now (the report then says so)")
+            return finish(f"refused: {changed}; a culprit found on other data would answer for another step",
+                          USAGE)
+        data_note = f" (on changed data: {changed})"
+        log(f"warning: {changed}; going on (--allow-changed-data)")
     if base.finite:
         return finish(f"not reproduced: step {capture['step']} replayed from {capture['checkpoint']} is finite"
                       f"{data_note}; the fault needs something the capture does not hold (another host or GPU, a "
@@ -269,7 +313,7 @@ def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0,
         log(f"  rung layout_1 keeps layers 0..{report.cut_layers - 1}: the whole model outgrows one device")
     if not cands:
         return finish("reproduced; no switch applies to this run (torch kernels, fp32, no FP8, one process, "
-                      "one sample): the forensics are the lead", NO_CULPRIT)
+                      f"one sample): the forensics are the lead{data_note}", NO_CULPRIT)
 
     def drop(switches: list[str]) -> dict | None:
         return {"op": "drop", "global_row": report.sample["global_row"]} if "sample" in switches else None
@@ -279,7 +323,7 @@ def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0,
     cures = [r.switches[0] for r in singles if r.finite]
     if not cures:
         if len(cands) == 1 or not ladder.run("all", cands, drop(cands)).finite:
-            return finish(_no_cure(cands, failed), NO_CULPRIT)
+            return finish(_no_cure(cands, failed) + data_note, NO_CULPRIT)
         keep = list(cands)
         for s in cands:                         # drop each switch that the rest can cure without
             trial = [k for k in keep if k != s]
@@ -293,7 +337,30 @@ def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0,
     report.culprit_text = _culprit_text(cures, report)
     if "attn_torch" in cures and kernel:
         report.kernel = _kernel_handover(cfg, report, out / "kernel", log)
-    return finish(f"culprit: {report.culprit_text}", OK)
+    return finish(f"culprit: {report.culprit_text}{data_note}", OK)
+
+
+def _log_error(log: Path) -> str:
+    """What a failed rung's log says went wrong: its last `error:` line or exception, else its last lines."""
+    try:
+        lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln) for ln in log.read_text(errors="replace").strip().splitlines()]
+    except OSError:
+        return "no log"
+    for ln in reversed(lines):
+        if re.match(r"(error: |([A-Za-z_][\w.]*)?(Error|Exception)\b.*: )", ln):
+            return ln.strip()
+    return " | ".join(ln.strip() for ln in lines[-5:]) or "empty log"
+
+
+def _rows_text(rows: list[int], capture: dict) -> str:
+    """Global rows of the captured step as "rows 0-2, 5 (data-parallel rank 0 rows 0-2; rank 1 row 1)"."""
+    from launcher.compare import ranges
+    per = len(capture["rows_by_dp_rank"]["0"])
+    by: dict[int, list[int]] = {}
+    for g in rows:
+        by.setdefault(g // per, []).append(g % per)
+    ranks = "; ".join(f"rank {k}: {ranges(v)}" for k, v in sorted(by.items()))
+    return f"row{'s' if len(rows) > 1 else ''} {ranges(rows)} (by data-parallel rank, {ranks})"
 
 
 def _where(forensics: dict, result: dict, step: int) -> str:
@@ -369,13 +436,20 @@ def _kernel_handover(cfg: dict, report: Report, out: Path, log) -> dict:
 
 
 def write_report(report: Report, out: Path) -> tuple[Path, Path]:
+    from dsv4.fileio import atomic_write
     out.mkdir(parents=True, exist_ok=True)
     jpath, mpath = out / "report.json", out / "report.md"
-    jpath.write_text(json.dumps(asdict(report), indent=2, default=str))
+    atomic_write(jpath, json.dumps(asdict(report), indent=2, default=str))
     lines = [f"# NaN bisect of {report.run}, step {report.step}", "", f"**{report.verdict}**", "",
              f"exit code {report.exit_code}; {report.seconds:.0f} s; switches tried: "
              f"{', '.join(report.candidates) or 'none'}", ""]
     lines += [f"- `{k}` left out: {why}" for k, why in report.left_out.items()] + ([""] if report.left_out else [])
+    if report.data_changed:
+        rows = f"rows {report.data_changed_rows} of the step's global batch" if report.data_changed_rows else "rows"
+        lines += ["## The data changed since the capture", "",
+                  f"The replayed {rows} are not the ones the run trained on: their content hashes differ from "
+                  "`nan_capture.json`'s. This bisect went on with `--allow-changed-data`: what it found, it found "
+                  "on the data as it is now, not on the step that failed.", ""]
     for phase in ("forward", "backward"):
         ev = report.forensics.get(phase)
         if not ev:
@@ -402,7 +476,7 @@ def write_report(report: Report, out: Path) -> tuple[Path, Path]:
         lines += ["", "## Kernel", "", f"`{k['command']}`: " + (k.get("verdict", "") if k["ran"] else k["note"])]
         if k.get("report_md"):
             lines.append(f"(report: {k['report_md']})")
-    mpath.write_text("\n".join(lines) + "\n")
+    atomic_write(mpath, "\n".join(lines) + "\n")
     return jpath, mpath
 
 

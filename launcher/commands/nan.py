@@ -79,13 +79,18 @@ def bisect_kernel(kernel, source, reference, shape, overrides, tol, timeout, out
 @click.option("--device-memory-gb", type=float, default=None,
               help="what one device holds, for the one-process rung: where the model outgrows it, the rung keeps "
                    "the layers up to the fault [the run's HW_GPU_MEMORY_GB; 0: no limit]")
+@click.option("--allow-changed-data", is_flag=True,
+              help="go on where the step's rows are not the captured ones (the data changed since the run); the "
+                   "report says so")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="report directory [RUN/nan-bisect]")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON on stdout")
-def bisect_run(selection, run_ref, parallel, timeout, no_kernel, device_memory_gb, out_dir, as_json):
+def bisect_run(selection, run_ref, parallel, timeout, no_kernel, device_memory_gb, allow_changed_data, out_dir,
+               as_json):
     """Replay RUN's non-finite step from its capture and walk the ladder of switches (TileLang -> torch, FP8
     off, fp32, recompute off, one process, the sample removed) to the smallest set that cures it.
-    RUN: id, unique prefix, or `latest`. Exit codes: 0 culprit named, 1 not reproduced or nothing cures it,
-    2 no capture in RUN."""
+    RUN: id, unique prefix, or `latest`. Exit codes: 0 culprit named, 1 not reproduced, nothing cures it, or the
+    step could not be replayed (an earlier report is then kept), 2 no usable capture in RUN, or the step's data
+    changed since the run (without --allow-changed-data)."""
     from dataclasses import asdict
     from pathlib import Path
 
@@ -96,14 +101,24 @@ def bisect_run(selection, run_ref, parallel, timeout, no_kernel, device_memory_g
     try:
         report = nanbisect.bisect(run.dir, out, parallel=parallel, timeout=timeout, kernel=not no_kernel,
                                   log=lambda m: click.echo(m, err=True), cluster_cfg=cfg,
-                                  memory_gb=device_memory_gb)
-    except FileNotFoundError as e:
+                                  memory_gb=device_memory_gb, allow_changed_data=allow_changed_data)
+    except (FileNotFoundError, ValueError) as e:          # no capture, or one that is not a capture
         click.echo(f"error: {e}", err=True)
         sys.exit(nanbisect.USAGE)
-    jpath, mpath = nanbisect.write_report(report, out)
     if as_json:
         click.echo(json.dumps(asdict(report), indent=2, default=str))
-    else:
+    if report.exit_code == nanbisect.USAGE:                # refused: nothing was bisected, no report
+        click.echo(f"error: {report.verdict.removeprefix('refused: ')}\n  fix: {report.fix}", err=True)
+        sys.exit(report.exit_code)
+    previous = out / "report.md"
+    if not report.replayed and previous.is_file():
+        # the step did not replay: that says nothing about the fault, and an earlier verdict still stands
+        click.echo(f"error: {report.verdict}\n  fix: {report.fix}", err=True)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(previous.stat().st_mtime))
+        click.echo(f"the earlier report is kept: {previous} ({when})", err=True)
+        sys.exit(report.exit_code)
+    jpath, mpath = nanbisect.write_report(report, out)
+    if not as_json:
         click.echo(report.verdict)
         if report.kernel:
             k = report.kernel

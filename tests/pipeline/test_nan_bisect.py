@@ -215,3 +215,87 @@ def test_two_faults_need_two_switches_together(work):
     rungs = {g["name"]: g["finite"] for g in report["rungs"]}
     assert rungs["fp8_off"] is False and rungs["fp32"] is False and rungs["all"] is True
     assert rungs["without_sample"] is True and rungs["without_fp8_off"] is False and rungs["without_fp32"] is False
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    """A bf16 fault at step 3 in a work directory of its own (its data file is edited here): the run directory.
+    Its metrics.jsonl is the SFT loop's own, and every line of it a row of the schema `v4 runs compare` reads."""
+    from launcher import metrics
+    work = tmp_path_factory.mktemp("nancap")
+    run = planted_run(work, "layers.1.ffn:3@bf16", "PRESET_MODEL_OVERRIDES=dtype=bf16")
+    got = metrics.read(run)
+    assert not got.bad and got.steps == [1, 2]
+    return work, run
+
+
+@pytest.mark.slow
+def test_a_capture_that_is_not_one_is_a_usage_error(captured):
+    work, run = captured
+    cap = run / "steps/train/nan_capture.json"
+    good = cap.read_bytes()
+    try:
+        for text, says in ((good[:100], "is not a JSON capture ("),
+                           (b"\xff" + good, "is not a JSON capture ('utf-8' codec can't decode byte 0xff"),
+                           (json.dumps({**json.loads(good), "step": "3", "micro_batch_size": 0}).encode(),
+                            "is not a valid capture: step: input should be a valid integer; micro_batch_size: input "
+                            "should be greater than or equal to 1"),
+                           (json.dumps({**json.loads(good), "rows_by_dp_rank": {"1": ["a"]}}).encode(),
+                            "is not a valid capture: rows_by_dp_rank's keys must be the data-parallel "
+                            "ranks 0..0, got 1")):
+            cap.write_bytes(text)
+            r, report = bisect(work, run)
+            assert r.returncode == 2 and report is None and "Traceback" not in r.stderr, r.stderr
+            assert f"error: {cap} {says}" in r.stderr, r.stderr
+            assert not (run / "nan-bisect").exists()                  # refused before any rung
+    finally:
+        cap.write_bytes(good)
+
+
+@pytest.mark.slow
+def test_changed_data_is_refused_unless_allowed_and_then_reported(captured):
+    work, run = captured
+    data = Path(json.loads((run / "config.json").read_text())["values"]["V4_SFT_DATA"])
+    good = data.read_text()
+    try:
+        data.write_text(good.replace('"content": "What', '"content": "So what'))      # every row of step 3
+        r, report = bisect(work, run)
+        assert r.returncode == 2 and report["verdict"].startswith("refused: "), r.stderr[-3000:]
+        assert report["data_changed_rows"] == list(range(8)) and not report["culprit"]
+        assert ("error: 8 of step 3's 8 rows, rows 0-7 (by data-parallel rank, rank 0: 0-7), are not the rows the "
+                f"run trained on (their hashes differ from the capture's): {data} changed since the run") in r.stderr
+        assert "--allow-changed-data" in r.stderr
+        assert not (run / "nan-bisect/report.md").exists()
+        r = v4(work, "nan", "bisect", run.name, "--json", "--allow-changed-data")
+        report = json.loads(r.stdout)
+        assert r.returncode == 0 and report["culprit"] == ["fp32"] and report["allowed_changed_data"], r.stderr
+        assert "(on changed data: 8 of step 3's 8 rows" in report["verdict"]
+        md = (run / "nan-bisect/report.md").read_text()
+        assert "## The data changed since the capture" in md and "rows [0, 1, 2, 3, 4, 5, 6, 7]" in md
+        assert "went on with `--allow-changed-data`" in md
+    finally:
+        data.write_text(good)
+
+
+@pytest.mark.slow
+def test_a_truncated_checkpoint_keeps_the_earlier_report(captured):
+    from launcher import nanbisect
+    work, run = captured
+    out = run / "nan-bisect"
+    earlier = nanbisect.Report(run.name, 3, True, "culprit: fp32: bf16 precision (replayed in fp32)", ["fp32"],
+                               replayed=True, exit_code=0)
+    _, md = nanbisect.write_report(earlier, out)
+    before = md.read_bytes()
+    cap = json.loads((run / "steps/train/nan_capture.json").read_text())
+    (shard,) = Path(cap["checkpoint"]).glob("*.distcp")
+    whole = shard.read_bytes()
+    try:
+        shard.write_bytes(whole[:1 << 20])               # the model's weights come first: cut into them
+        r, report = bisect(work, run)
+        assert r.returncode == 1 and not report["replayed"], r.stderr[-3000:]
+        assert report["verdict"].startswith("could not replay the step: exit 1: ") and "cannot be read" in \
+            report["verdict"]
+        assert f"the earlier report is kept: {md}" in r.stderr
+        assert md.read_bytes() == before and json.loads((out / "report.json").read_text())["culprit"] == ["fp32"]
+    finally:
+        shard.write_bytes(whole)
