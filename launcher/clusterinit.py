@@ -70,6 +70,11 @@ def init(name: str, template: str, values: dict[str, str], force: bool = False, 
         raise ConfigError(f"cluster name {name!r} is not valid: it must be {what}")
     src = template_path(template, root)
     target = root / "envs" / "cluster" / f"{name}.env"
+    if target.exists() and os.path.samefile(src, target):
+        # --force replaces NAME.env; when that is the template itself, its placeholders and comments would be gone
+        raise ConfigError(f"--from {template} is {target.relative_to(root)} itself: writing it would replace the "
+                          "template it is made from (--force or not)",
+                          fix="pick another NAME; to change this file, edit it, or copy it and init from the copy")
     if target.exists() and not force:
         raise ConfigError(f"{target.relative_to(root)} exists", fix="pick another NAME, or --force to overwrite it")
     unknown = [k for k in values if k not in SCHEMA]

@@ -64,7 +64,7 @@ def render_status(st) -> str:
 @click.option("--container", metavar="NAME", help="container name: run inside it (V4_CONTAINER)")
 @click.option("--no-container", is_flag=True, help="run on the hosts (empties V4_CONTAINER and V4_IMAGE)")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="any other cluster key (repeatable)")
-@click.option("--force", is_flag=True, help="overwrite an existing envs/cluster/NAME.env")
+@click.option("--force", is_flag=True, help="overwrite an existing envs/cluster/NAME.env (never the --from template)")
 def init(name, template, sets, force, no_container, **opts):
     """Write envs/cluster/NAME.env from TEMPLATE with your addresses and paths. Nothing is written while a
     template placeholder (a documentation-range address, a /your/ path) or any other validation error remains."""

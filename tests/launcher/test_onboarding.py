@@ -123,3 +123,23 @@ def test_bootstrap_stops_at_a_failure_and_continues_there(tmp_path):
         assert all(s["status"] == "passed" for s in state["steps"].values()) and len(state["steps"]) == 5
     finally:
         v4("cluster", "down", *flags)
+
+
+def test_init_never_overwrites_its_own_template(root):
+    """`cluster init NAME --from NAME --force` (by name, by path, or through a link) would replace the template
+    it reads: refused, whatever --force says, and the template is left byte for byte."""
+    template = root / "envs/cluster/h200_template.env"
+    before = template.read_bytes()
+    (root / "elsewhere.env").symlink_to(template)
+    for src in ("h200_template", str(template), str(root / "elsewhere.env")):
+        for force in (False, True):
+            with pytest.raises(ConfigError, match="itself: writing it would replace the template") as e:
+                init("h200_template", src, GOOD, force=force, root=root)
+            assert "pick another NAME" in e.value.fix
+    assert template.read_bytes() == before
+    # another name from it, and then that file from itself, the same
+    lab, _ = init("lab", "h200_template", GOOD, root=root)
+    lab_text = lab.read_bytes()
+    with pytest.raises(ConfigError, match="is envs/cluster/lab.env itself"):
+        init("lab", str(lab), {**GOOD, "V4_NUM_GPUS_PER_NODE": "4"}, force=True, root=root)
+    assert lab.read_bytes() == lab_text and template.read_bytes() == before
