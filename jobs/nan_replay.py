@@ -118,7 +118,8 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: Rung)
     forensics.detach()
     found = [None] * world
     torch.distributed.all_gather_object(found, {"rank": r.rank, "dp_rank": r.dp_rank, "pp_rank": r.pp_rank,
-                                                "found": forensics.found, "data_ok": hashes == mine, "changed": changed})
+                                                "found": forensics.found, "data_ok": hashes == mine,
+                                                "changed": changed})
     if r.rank == 0:
         result = {"finite": res.finite, "loss": res.loss, "grad_norm": res.grad_norm,
                   "first": res.nonfinite and {k: res.nonfinite[k] for k in ("module", "phase", "kind", "rank")},

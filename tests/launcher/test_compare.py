@@ -148,7 +148,8 @@ def _bad_lines(run: Path) -> None:
     """What a killed job, a disk error and a hand edit leave: a cut line, bytes that are not UTF-8, a row whose
     step is a string, and one whose loss is."""
     with open(run / "metrics.jsonl", "ab") as f:
-        f.write(b'{"step": 7, "loss": 3.1\n\xff\xfe{"step": 8}\n{"step": "9", "loss": 1.0}\n{"step": 9, "loss": "low"}\n')
+        f.write(b'{"step": 7, "loss": 3.1\n\xff\xfe{"step": 8}\n'
+                b'{"step": "9", "loss": 1.0}\n{"step": 9, "loss": "low"}\n')
 
 
 def test_compare_fails_where_a_run_lacks_steps_unless_steps_names_them(tmp_path):
