@@ -19,6 +19,7 @@ rank, and, after the step, gathers the weights' slices from all ranks (`full_wei
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -403,21 +404,26 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
     dead, seen = 0, (math.inf, -math.inf)
     kill_at = int(os.environ.get("V4_KILL_AT_STEP", "0") or 0)     # test hook, as in the SFT loop
     for step in range(start + 1, steps + 1):
-        t0 = time.perf_counter()
+        clock = StepClock()
         if step == kill_at and lead:
             say(f"V4_KILL_AT_STEP={kill_at}: killing the job at the start of step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
-        roll = _rollout(engine, task, reward_fn, rl, step, tc, cfg, ref_model, trainer.allowed) if lead else None
+        with clock.part("rollout"):
+            roll = _rollout(engine, task, reward_fn, rl, step, tc, cfg, ref_model, trainer.allowed) if lead else None
+        if lead:                               # the reference policy's scoring, timed inside _rollout
+            clock.move("rollout", "logprob", roll["ref_s"])
         batch = _share(roll["batch"] if lead else None, ranks)
         per = n // ranks.dp
         mine = {k: v[ranks.dp_rank * per:(ranks.dp_rank + 1) * per] for k, v in batch.items()}
         micro = split_micro_batches(mine, tc.micro_batch_size)
         if M > 1:
-            trainer.record_old_logp(micro)
+            with clock.part("logprob"):
+                trainer.record_old_logp(micro)
         k = len(micro) // M
         results, stats, counts = [], [], torch.zeros(2)
         for j in range(M):
-            res, part, _ = trainer.rl_step(micro[j * k:(j + 1) * k])
+            with clock.part("train"):
+                res, part, _ = trainer.rl_step(micro[j * k:(j + 1) * k])
             if not res.finite:
                 return _stop_nonfinite(trainer, res, out, say)
             results.append(res)
@@ -426,17 +432,20 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
         trainer.last_agree = counts
         res = _mean_result(results)
         stats, agree = _gather_stats(stats, trainer, ranks)
-        weights = full_weights(trainer)
+        with clock.part("sync"):
+            weights = full_weights(trainer)
+            rep = push_weights(engine, weights, cfg, rl, str(step)) if lead else None
         stop = None
         if lead:
-            rep = push_weights(engine, weights, cfg, rl, str(step))
             rewards, live_groups = roll["rewards"], roll["live_groups"]
+            step_s = clock.elapsed()
             row = _metrics_row(step, res, stats, rewards, live_groups, roll["results"], roll["rollout_s"], rep,
-                               agree, n, tc, time.perf_counter() - t0)
+                               agree, n, tc, step_s)
+            row.update(clock.row(step_s))
             on_metrics(row)
             say(f"step {step}/{steps} reward {row['reward_mean']:.3f} (live groups {live_groups:.2f}) "
                 f"loss {res.loss:.4f} |dlogp| max {row['logprob_diff_max']:.2e} route agree "
-                f"{'-' if agree is None else f'{agree:.3f}'} sync {rep.seconds:.2f} s {row['step_time_s']:.2f} s")
+                f"{'-' if agree is None else f'{agree:.3f}'} {row['step_time_s']:.2f} s: {clock.line()}")
             seen = (min(seen[0], float(rewards.min())), max(seen[1], float(rewards.max())))
             # no group with differing rewards: solved when every sample earns the best reward the run has seen
             # (and it has seen worse), stuck otherwise (collapsed, or no signal from the start)
@@ -458,6 +467,48 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
             say(stop)
             return 1
     return 0
+
+
+STEP_PARTS = ("rollout", "logprob", "train", "sync", "wait")
+
+
+class StepClock:
+    """One RL step's wall time by part, on rank 0: rollout (generation, rewards, advantages, the batch), logprob
+    (scoring the responses apart from training: the reference policy's for the KL term, the policy's before several
+    updates), train (the optimizer updates, their forward and backward included), sync (gathering the weights and
+    pushing them to the engine, read-back check included) and wait (the rest: handing the batch to the ranks,
+    waiting for them at the gathers, the metrics). The parts add up to the step's time (`time_*_s` in its row)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.s = dict.fromkeys(STEP_PARTS, 0.0)
+        self.last: dict = {}
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s[name] += time.perf_counter() - t
+
+    def move(self, src: str, dst: str, seconds: float) -> None:
+        """Count `seconds` timed inside part `src` under `dst` instead."""
+        self.s[src] -= seconds
+        self.s[dst] += seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def row(self, total: float) -> dict:
+        """The parts as a metrics row's `time_<part>_s` keys, `total` (the step's time) split among them."""
+        out = {f"time_{p}_s": self.s[p] for p in STEP_PARTS[:-1]}
+        out["time_wait_s"] = max(total - sum(out.values()), 0.0)
+        self.last = out
+        return out
+
+    def line(self) -> str:
+        return ", ".join(f"{k[5:-2]} {v:.2f}" for k, v in self.last.items()) + " s"
 
 
 def _mean_result(results: list):
@@ -483,6 +534,7 @@ def _rollout(engine, task, reward_fn, rl: RLConfig, step: int, tc, cfg, ref_mode
     t = time.perf_counter()
     results = engine.generate(reqs)
     rollout_s = time.perf_counter() - t
+    ref_s = 0.0
     stale = {r.meta_info.get("weight_version") for r in results} - {str(step - 1)}
     if stale:
         raise RuntimeError(f"step {step}: rollouts came from weight version(s) {sorted(stale)}, expected "
@@ -491,8 +543,10 @@ def _rollout(engine, task, reward_fn, rl: RLConfig, step: int, tc, cfg, ref_mode
     adv, live = grpo.group_advantages(rewards, rl.group_size, rl.std_normalize)
     batch = build_batch(samples, results, adv, tc.seq_len, cfg, rl.replay)
     if ref_model is not None:
+        t = time.perf_counter()
         batch["ref_logp"] = _ref_logp(ref_model, batch, rl, allowed)
-    return {"batch": batch, "results": results, "rewards": rewards, "rollout_s": rollout_s,
+        ref_s = time.perf_counter() - t
+    return {"batch": batch, "results": results, "rewards": rewards, "rollout_s": rollout_s, "ref_s": ref_s,
             "live_groups": float(live.view(-1, rl.group_size)[:, 0].float().mean())}
 
 
