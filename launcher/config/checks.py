@@ -67,6 +67,9 @@ NAME_RULES = (
      "a login name: letters, digits, '.', '_' and '-'"),
     ("V4_SOCKET_IFNAME", re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*"),
      "'auto' or a network interface name such as eth0 or bond0"),
+    ("PRESET_RUN_ID_PREFIX", re.compile(r"[A-Za-z0-9][A-Za-z0-9_.]*(-[A-Za-z0-9_.]+)*"),
+     "letters, digits, '_' and '.', in parts joined by single '-', starting with a letter or digit: it begins every "
+     "run id (PREFIX-YYYYmmdd-HHMMSS-xxxx), which names the run's directory and its Ray jobs"),
 )
 HOSTNAME_RE = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                          r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
@@ -522,6 +525,8 @@ def _check_names(cfg: Config, errors: list[str]) -> None:
         value = v[key]
         if key == "V4_CLUSTER_NAME" and not value:
             errors.append(f"{at(cfg, key)} is empty; name the cluster ({what})")
+        elif key == "PRESET_RUN_ID_PREFIX" and not value:
+            errors.append(f"{at(cfg, key)} is empty; it must be {what}")
         elif value and not pattern.fullmatch(value):
             errors.append(f"{at(cfg, key)} is not valid: it must be {what}")
     how = "write an IPv4/IPv6 address or a host name, e.g. 10.0.0.5 or node-01.example.com"
