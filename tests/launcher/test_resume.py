@@ -384,19 +384,20 @@ def local_job(cmd, timeout_s):
 
 def test_a_silent_job_is_timed_out(tmp_path):
     t0 = time.monotonic()
-    out = pipeline.run_local(None, local_job("sleep 20", 1.5), tmp_path / "log", progress=lambda m: None)
+    out = pipeline.run_local(config(tmp_path), local_job("sleep 20", 1.5), tmp_path / "log", progress=lambda m: None)
     assert out.status == "TIMEOUT" and out.exit_code == 124 and time.monotonic() - t0 < 8
 
 
 def test_the_deadline_is_the_jobs_runtime_not_its_output(tmp_path):
     quiet = lambda m: None  # noqa: E731
-    out = pipeline.run_local(None, local_job("sleep 1; echo late", 3), tmp_path / "a", progress=quiet)
+    cfg = config(tmp_path)
+    out = pipeline.run_local(cfg, local_job("sleep 1; echo late", 3), tmp_path / "a", progress=quiet)
     assert out.ok and out.exit_code == 0 and out.log_tail == "late"
     t0 = time.monotonic()
-    out = pipeline.run_local(None, local_job("echo early; sleep 5; echo late", 1), tmp_path / "b", progress=quiet)
+    out = pipeline.run_local(cfg, local_job("echo early; sleep 5; echo late", 1), tmp_path / "b", progress=quiet)
     assert out.status == "TIMEOUT" and time.monotonic() - t0 < 4
     assert out.log_tail == "early"
-    out = pipeline.run_local(None, local_job("echo bad; exit 3", 5), tmp_path / "c", progress=quiet)
+    out = pipeline.run_local(cfg, local_job("echo bad; exit 3", 5), tmp_path / "c", progress=quiet)
     assert out.status == "FAILED" and out.exit_code == 3 and out.log_tail == "bad"
 
 
