@@ -370,20 +370,22 @@ def compiled_regions() -> Regions:
 
 
 class Prepared:
-    """Forms of the model's weights that the decode step reads in place of the parameters, on CUDA: the head's
-    bf16 halves (cfg.fp32_gemm bf16x3 or bf16x3_fwd) and each layer's stacked routed experts. Built once per engine and
-    shared by its decoders; `refresh()` after the weights change in place rewrites them in place, so captured
-    graphs see the new values. Costs a second copy of the head, and of the routed experts only where a QAT point
-    changes them (otherwise the experts' parameters are views of the stacks, see ExpertStack)."""
+    """Forms of the model's weights that the decode step reads in place of the parameters: each layer's stacked
+    routed experts and, on CUDA, the head's bf16 halves (cfg.fp32_gemm bf16x3 or bf16x3_fwd; a CPU runs the head's
+    fp32 GEMM). Built once per engine and shared by its decoders; `refresh()` after the weights change in place
+    rewrites them in place, so captured graphs see the new values. Costs a second copy of the head, and of the
+    routed experts only where a QAT point changes them (otherwise the experts' parameters are views of the stacks,
+    see ExpertStack)."""
 
     def __init__(self, model: Transformer):
-        self.head = split_gemm.SplitWeight(model.head.weight) if model.cfg.fp32_gemm != "fp32" else None
+        split = model.cfg.fp32_gemm != "fp32" and model.head.weight.is_cuda
+        self.head = split_gemm.SplitWeight(model.head.weight) if split else None
         self.experts = [ExpertStack(layer.ffn) for layer in model.layers]
 
     @classmethod
-    def of(cls, model: Transformer) -> "Prepared | None":
-        """The prepared weights where the model is on a GPU, None elsewhere (a CPU decodes from the parameters)."""
-        return cls(model) if model.head.weight.is_cuda else None
+    def of(cls, model: Transformer) -> "Prepared":
+        """The engine's prepared weights (on a CPU too: the decode MoE reads the stacked experts)."""
+        return cls(model)
 
     def refresh(self) -> None:
         if self.head is not None:
@@ -398,7 +400,8 @@ def step(model: Transformer, cache: DecodeCache, ids: torch.Tensor, pos: int | t
     """Feed token `ids` [B] at position `pos` (a 0-dim int64 device tensor, or an int) -> (logits [B, V] fp32
     for position pos + 1, routes [B, n_layers, k] int64: the experts each layer chose for these tokens).
     No host synchronisation, and the same kernels on the same shapes at every position. `prepared`: the
-    engine's `Prepared` weights (CUDA), else the parameters themselves; `regions`: EAGER or compiled_regions()."""
+    engine's `Prepared` weights, else the parameters themselves (the experts stacked for each call); `regions`: EAGER
+    or compiled_regions()."""
     cfg = model.cfg
     pos = as_position(pos, ids.device)
     tok = ids.reshape(-1, 1)
