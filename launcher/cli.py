@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": "launcher.commands.bench:bench",
     "nan": "launcher.commands.nan:nan",
     "rl": "launcher.commands.rl:rl",
+    "plan": "launcher.commands.plan:plan",
     "completion": "launcher.cli:completion",
 }
 

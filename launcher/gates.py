@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dsv4.fileio import atomic_write
@@ -25,6 +25,11 @@ class GateResult:
     name: str
     passed: bool
     detail: str
+    # peak_memory and step_time: the cost model's figure for this run's layout beside the measured one, and the
+    # relative error (recorded in gates.json, so B0 runs calibrate the model where it has never been measured)
+    measured: float | None = None
+    predicted: float | None = None
+    error: float | None = None
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -54,7 +59,7 @@ def evaluate(names: list[str], run_dir: Path, cfg) -> list[GateResult]:
             r = GateResult(name, False, f"no metrics in {run_dir}/metrics.jsonl")
         else:
             r = GATES[name](rows, Path(run_dir), cfg)
-        out.append(GateResult(r.name, r.passed, r.detail + skipped))
+        out.append(replace(r, detail=r.detail + skipped))
     return out
 
 
@@ -91,14 +96,37 @@ def _nonfinite_steps(rows, key: str) -> list:
     return [r["step"] for r in rows if not _finite(r.get(key))]
 
 
+def _predicted(cfg, key: str) -> tuple[float | None, str]:
+    """(the cost model's peak GiB or step seconds for this run's layout, why there is none)."""
+    try:
+        from launcher import costmodel
+        p = costmodel.predict_config(cfg)
+    except (KeyError, ValueError, TypeError, ArithmeticError, OSError, ImportError) as e:
+        return None, f"no prediction ({type(e).__name__}: {e})"
+    value = p.peak_gib if key == "peak" else p.step_s
+    return value, "" if value is not None else f"no prediction ({'; '.join(p.notes) or 'no rates'})"
+
+
+def _against(measured: float, predicted: float | None, why: str, unit: str) -> tuple[str, float | None]:
+    if predicted is None:
+        return f"; {why}", None
+    err = predicted / measured - 1 if measured else None
+    return (f"; predicted {predicted:.{1 if unit == 'GB' else 2}f} {unit} (launcher/costmodel.py"
+            + (f", error {err:+.1%}" if err is not None else "") + ")"), err
+
+
 def peak_memory(rows, run_dir, cfg) -> GateResult:
     budget = cfg["HW_PEAK_MEM_BUDGET_GB"]
     if bad := _nonfinite_steps(rows, "peak_mem_gb"):
         return GateResult("peak_memory", False, f"no finite peak memory at step(s) {bad[:10]}")
     peak = max(r["peak_mem_gb"] for r in rows)
+    predicted, why = _predicted(cfg, "peak")
+    said, err = _against(peak, predicted, why, "GB")
     if not budget:
-        return GateResult("peak_memory", True, f"peak {peak:.1f} GB (no budget set on this hardware)")
-    return GateResult("peak_memory", peak <= budget, f"peak {peak:.1f} GB vs budget {budget:.1f} GB")
+        return GateResult("peak_memory", True, f"peak {peak:.1f} GB (no budget set on this hardware){said}",
+                          peak, predicted, err)
+    return GateResult("peak_memory", peak <= budget, f"peak {peak:.1f} GB vs budget {budget:.1f} GB{said}",
+                      peak, predicted, err)
 
 
 def step_time(rows, run_dir, cfg) -> GateResult:
@@ -107,10 +135,13 @@ def step_time(rows, run_dir, cfg) -> GateResult:
         return GateResult("step_time", False, f"no finite step time at step(s) {bad[:10]}")
     steady = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]  # the first step pays for JIT
     median = statistics.median(steady)
+    predicted, why = _predicted(cfg, "step")
+    said, err = _against(median, predicted, why, "s")
     if not budget:
-        return GateResult("step_time", True, f"median step {median:.2f} s (no budget set on this hardware)")
+        return GateResult("step_time", True, f"median step {median:.2f} s (no budget set on this hardware){said}",
+                          median, predicted, err)
     return GateResult("step_time", median <= budget,
-                      f"median steady step {median:.2f} s vs budget {budget:.1f} s")
+                      f"median steady step {median:.2f} s vs budget {budget:.1f} s{said}", median, predicted, err)
 
 
 def reward_rising(rows, run_dir, cfg) -> GateResult:

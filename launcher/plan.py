@@ -128,6 +128,7 @@ class Plan:
     executor: str
     steps: list[Step]
     from_shell: dict = field(default_factory=dict)   # schema keys set by the process environment
+    prediction: dict = field(default_factory=dict)   # the cost model's memory and step time (launcher/costmodel.py)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -272,7 +273,18 @@ def build(cfg: Config, run_id: str | None = None) -> Plan:
                       items=[f"{g}: {GATES[g]}" for g in cfg["PRESET_GATES"]]))
     sel = cfg.selection
     return Plan(run_id, run_dir, {"cluster": sel.cluster, "hw": sel.hw, "preset": sel.preset},
-                dashboard_url(cfg), cfg["V4_EXECUTOR"], steps, cfg.from_shell())
+                dashboard_url(cfg), cfg["V4_EXECUTOR"], steps, cfg.from_shell(), prediction(cfg))
+
+
+def prediction(cfg: Config) -> dict:
+    """What `config validate` derived from the cost model for this layout (empty where it could not place it)."""
+    if "PREDICTED_PEAK_GB" not in cfg.derived:
+        return {}
+    keys = ("STATE_GB_PER_GPU", "PREDICTED_PEAK_GB", "PREDICTED_STEP_S", "PREDICTED_TOKENS_PER_S_GPU")
+    out = {k.lower(): cfg.derived[k].value for k in keys if k in cfg.derived}
+    if "PREDICTED_STEP_S" in cfg.derived:
+        out["step_parts"] = cfg.derived["PREDICTED_STEP_S"].formula.split("(", 1)[-1][:-1]
+    return out
 
 
 def preflight_step(cfg: Config) -> Step:

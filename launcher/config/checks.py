@@ -132,6 +132,45 @@ def model_facts(cfg: Config) -> ModelFacts:
                       weight + GRAD_BYTES + optimizer, ckpt)
 
 
+def _check_prediction(cfg: Config, m: ModelFacts, errors: list[str]) -> None:
+    """Derive the cost model's figures for this layout (launcher/costmodel.py). Weights, gradients and Adam state
+    over the GPU's memory is an error: certain, and found otherwise only after the download, dequantize and convert
+    steps. A predicted peak (activations and all) over the usable memory is a warning: the model holds to +-10 %
+    where it is calibrated, and less far from it."""
+    v, d = cfg.values, cfg.derived
+    if v["PRESET_PP"] > 1 and "PP_STAGE_LAYERS" not in d:
+        return                                     # the split is wrong, which is reported; nothing to place
+    from launcher import costmodel
+
+    p = costmodel.predict_config(cfg)
+    mem = p.memory.parts
+    state = mem.get("weights", 0) + mem.get("gradients", 0) + mem.get("optimizer", 0)
+    where = f"stage {p.memory.stage} of {v['PRESET_PP']}" if v["PRESET_PP"] > 1 else "every GPU"
+    d["STATE_GB_PER_GPU"] = Derived(round(state, 1), f"cost model: weights + fp32 gradients + Adam state, GiB, on the "
+                                                     f"fullest GPU ({where})")
+    if v["HW_DEVICE"] == "cuda":
+        # on a CPU the figures would be a GPU's for the tiny model: the calibration is a GPU's
+        d["PREDICTED_PEAK_GB"] = Derived(round(p.peak_gib, 1), f"cost model: peak GiB on the fullest GPU ({where}), "
+                                                               "`v4 plan show` explains it by part")
+    if p.step_s is not None and v["HW_DEVICE"] == "cuda":
+        d["PREDICTED_STEP_S"] = Derived(round(p.step_s, 2), f"cost model: seconds a step (bottleneck {p.bottleneck}; "
+                                                            f"{p.rates})")
+        d["PREDICTED_TOKENS_PER_S_GPU"] = Derived(round(p.tokens_per_s_gpu), "cost model: tokens/s a GPU")
+    capacity = v["HW_GPU_MEMORY_GB"]
+    if not capacity:
+        return
+    if state > capacity:
+        # an error: the train step would run out of memory after the download, dequantize and convert steps
+        errors.append(f"~{state:.0f} GB of weights, gradients and optimizer state per GPU ({where}) for "
+                      f"{at(cfg, 'PRESET_MODEL')} ({(m.dense_params + m.expert_params) / 1e9:.1f} B params) "
+                      f"exceed {at(cfg, 'HW_GPU_MEMORY_GB')}; spread it wider ({at(cfg, 'PRESET_EP')}, "
+                      f"{at(cfg, 'PRESET_TP')}, {at(cfg, 'PRESET_PP')}) or shrink it, e.g. "
+                      f"--set PRESET_MODEL_OVERRIDES=\"n_routed_experts=8\"; the train step would run out of memory")
+    elif not p.fits:
+        cfg.warnings.append(f"predicted peak {p.overflow}; see `v4 plan show` with the same selection, and `v4 plan "
+                            f"layouts` for the layouts that fit ({at(cfg, 'HW_GPU_MEMORY_GB')})")
+
+
 def peak_checkpoints(num_steps: int, interval: int, retain: int) -> int:
     """Most training checkpoints on disk at once: a save happens every `interval` steps and at the last
     step; after it, only the newest and every `retain`-th one stay."""
@@ -239,19 +278,8 @@ def derive_and_check(cfg: Config) -> None:
         errors.append(f"pipeline split: {e}; {', '.join(at(cfg, k) for k in (*keys, 'PRESET_PP'))}, "
                       f"model layers {m.n_layers} ({at(cfg, 'PRESET_MODEL')})")
 
-    # -- memory: weights, gradients and optimizer state must fit before activations even start ----
-    etp = v["PRESET_ETP"]
-    per_gpu = m.dense_params / (tp * pp) + m.expert_params / (ep * etp * pp)
-    state_gb = per_gpu * m.bytes_per_param / 2**30
-    d["STATE_GB_PER_GPU"] = Derived(round(state_gb, 1), "params per GPU (dense/(TP*PP) + experts/(EP*ETP*PP)) "
-                                                        f"x {m.bytes_per_param} bytes (weight, grad, Adam)")
-    if v["HW_GPU_MEMORY_GB"] and state_gb > v["HW_GPU_MEMORY_GB"]:
-        # an error: the train step would run out of memory after the download, dequantize and convert steps
-        errors.append(f"~{state_gb:.0f} GB of weights, gradients and optimizer state per GPU for "
-                      f"{at(cfg, 'PRESET_MODEL')} ({(m.dense_params + m.expert_params) / 1e9:.1f} B params) "
-                      f"exceed {at(cfg, 'HW_GPU_MEMORY_GB')}; spread it wider ({at(cfg, 'PRESET_EP')}, "
-                      f"{at(cfg, 'PRESET_TP')}, {at(cfg, 'PRESET_PP')}) or shrink it, e.g. "
-                      f"--set PRESET_MODEL_OVERRIDES=\"n_routed_experts=8\"; the train step would run out of memory")
+    # -- memory and step time: the cost model that `v4 plan`, the dry-run plan and the B0 gates use too --------
+    _check_prediction(cfg, m, errors)
 
     # -- training checkpoints on disk: the previous one stays until the new one is complete ------------
     ckpt_gb = m.ckpt_bytes / 1e9                                                      # GB, as df reports

@@ -133,6 +133,13 @@ KEYS: list[Key] = [
        "activation recomputation: full recomputes each transformer block in backward", ("none", "full")),
     _k("HW_NCCL_NVLS_ENABLE", "bool", 0, "hw", "NVLink SHARP (multicast) in NCCL; keep 0 where the host forbids it"),
     _k("HW_NCCL_MIN_BUSBW_GBPS", "float", 0, "hw",
+    # the cost model's (launcher/costmodel.py, `v4 plan`) bandwidths: what each hw file states is a measurement or an
+    # assumption with its source, said next to the value
+    _k("HW_NVLINK_GBPS", "float", 0, "hw",
+       "bus bandwidth of NCCL collectives among one node's GPUs, GB/s a GPU (cost model; 0: unknown, not timed)"),
+    _k("HW_IB_GBPS", "float", 0, "hw",
+       "network bandwidth between nodes, GB/s a GPU (cost model: all-to-all and gradient reduction across nodes; "
+       "0: unknown, not timed)"),
        "preflight `nccl`: the all-reduce bus bandwidth across a node's GPUs below which it warns (0: no floor)"),
     _k("HW_GEMM_TFLOPS", "float", 0, "hw",
        "preflight `gpu_perf`: the bf16 GEMM TFLOP/s a healthy GPU of this model reaches in the probe (0: judged "

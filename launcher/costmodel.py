@@ -1,0 +1,1426 @@
+"""Predicted memory and step time of a DeepSeek-V4 training layout, before any GPU is spent on it.
+
+One function, `predict(shape, layout, workload, hardware)`, says what the fullest GPU of a layout holds (by part)
+and how long a step takes (by part), from the model config and rates measured on the GPU we have:
+
+* **Memory per rank.** Weights, gradients (fp32, megatron's main grads), Adam state (fp32 master copy and two
+  moments; sharded over the data-parallel ranks with the distributed optimizer, or on the host with offload), each
+  parameter placed as `dsv4.megatron` places it (heads, output groups, shared expert and vocabulary split over TP;
+  the query/KV projections, compressors, indexer, router, norms and hyper-connections whole on every TP rank;
+  experts over EP x ETP; layers over PP stages; MTP and the head on the last stage, the embedding on the first).
+  Activations are an inventory of the tensors a block keeps for its backward (the 4 hyper-connection streams and
+  their fp32 flattening, the attention's q/o at heads/TP, the compressors' fp32 projections, the MoE dispatch rows
+  and expert hidden states, the LM head's fp32 logits), sized from the config at a rank's shape (sequence over CP,
+  sequence-parallel shards over TP), times the micro-batches the pipeline schedule keeps in flight (1F1B: stage s
+  holds PP - s; interleaved more), plus the largest transient (the indexer's fp32 [S/CP, S/4] scores, which only
+  CP divides; the logits' gradient; one block's backward). One factor on the inventory and one constant workspace
+  are fitted to the measured peaks of the H200 smoke at micro-batch 1 and 2 (`benchmarks/records/
+  plan_calibration.jsonl`): the inventory is first principles, its scale is measured.
+* **Time per step.** Compute per rank at rates derived from the H200 smoke's timed step and its profile by part
+  (GEMM parts as TFLOP/s, the sparse attention from the TileLang kernels' own records, elementwise work per token
+  and layer, a fixed cost per layer and micro-batch from the micro-batch 1 / 2 pair, gradient accumulation and
+  the optimizer per parameter); TP's sequence-parallel gathers and reduce-scatters, EP's all-to-alls (bytes =
+  tokens x top-k x dim x 2, over NVLink within a node and the network across), CP's gathers of halo rows and
+  compressed entries, pipeline p2p and bubble (1F1B, interleaved), and the data-parallel gradient reduction
+  (exposed: the trainer runs megatron's DDP with overlap_grad_reduce off; `overlap` models megatron's overlap).
+* **RL.** The rollout engine's memory (its weights in the sync format, KV cache), decode time per step from the
+  measured decode rows (bytes a step reads over the bandwidth the embedded engine reached), weight-sync time by
+  method and format for the bytes the model syncs, colocated or on separate nodes.
+
+Every figure that is not calibrated here is an assumption with its source (`Hardware.assumptions`, the hw files,
+the calibration rows' notes): on the one H200 no network is measured, so NVLink beyond two GPUs and every
+multi-node figure (IB, all-to-all across nodes) are assumptions. docs/plan.md has the calibration table.
+
+Pure arithmetic over `dsv4.config` (torch-free): `launcher` imports this module lazily, and `config validate`
+answers in well under a second.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CALIBRATION_FILE = ROOT / "benchmarks" / "records" / "plan_calibration.jsonl"
+GiB = 2 ** 30
+BLOCK = 128                      # FP8 weight blocks (128 x 128, e8m0 scales): shards must hold whole blocks
+MODEL_TOLERANCE = {"memory": 0.10, "step_time": 0.15}    # what the calibration table holds the model to
+SCHEDULES = ("1f1b", "interleaved")
+OPTIMIZERS = ("adam", "dist", "offload")
+ATTN_IMPLS = ("tilelang", "torch", "dense")
+
+
+# ================================================================================================ inputs
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    dp: int = 1
+    stages: tuple[int, ...] = ()       # transformer layers per pipeline stage (empty: all on one)
+    micro_batch: int = 1
+    vpp: int = 1                       # virtual stages per pipeline rank (interleaved 1F1B when > 1)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.vpp > 1 else "1f1b"
+
+    def name(self) -> str:
+        split = ""
+        if self.pp > 1:
+            s = self.stages
+            mid = s[1:-1]
+            split = (f" {s[0]}/{mid[0]}x{len(mid)}/{s[-1]}" if mid and len(set(mid)) == 1
+                     else " " + "/".join(map(str, s)))
+        v = f" vpp{self.vpp}" if self.vpp > 1 else ""
+        return (f"TP{self.tp} PP{self.pp} CP{self.cp} EP{self.ep} ETP{self.etp} DP{self.dp}{split}{v} "
+                f"mb{self.micro_batch}")
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "etp": self.etp, "dp": self.dp,
+                "stages": list(self.stages), "micro_batch": self.micro_batch, "vpp": self.vpp,
+                "schedule": self.schedule, "world": self.world, "name": self.name()}
+
+
+@dataclass(frozen=True)
+class RLWorkload:
+    samples: int                       # sequences per RL step (prompts x group)
+    response_tokens: int               # tokens each response decodes
+    minibatches: int = 1               # optimizer updates per step
+    engine: str = "embedded"           # embedded | sglang
+    colocated: bool = True             # the engine on the trainer's GPUs
+    rollout_gpus: int = 0              # GPUs of separate rollout nodes (not colocated)
+    rollout_tp: int = 1
+    rollout_ep: int = 1
+    mem_fraction: float = 0.7          # SGLang --mem-fraction-static
+    sync: str = "inproc"               # inproc | broadcast | disk
+    sync_format: str = "full"          # full | fp8
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int = 4096
+    global_batch: int = 8              # sequences per optimizer step
+    recompute: str = "none"            # none | full
+    mtp: bool = False                  # the MTP loss is on: MTP runs and trains
+    indexer_loss: bool = False         # the indexer trains (its KL loss)
+    attn_impl: str = "tilelang"        # tilelang | torch (gather reference) | dense (masked dense scores)
+    optimizer: str = "adam"            # adam (this trainer) | dist (megatron's distributed optimizer) | offload
+    overlap_grad_reduce: bool = False  # megatron DDP's overlap (this trainer: off)
+    rl: RLWorkload | None = None
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per GPU kind, derived from a calibration row (`derive_rates`)."""
+    gpu: str
+    source: str                        # measured | scaled
+    note: str
+    tflops: dict                       # part -> effective TFLOP/s of fwd+bwd (indexer: forward only)
+    sparse_fwd_tflops: float
+    sparse_bwd_tflops: float
+    elementwise_ns: float              # per token per block at dim x hc = 16384, fwd + bwd
+    layer_mb_s: float                  # fixed cost per block and micro-batch (kernel launches, small kernels)
+    grad_accum_s_per_param: float      # per trained parameter and micro-batch (main_grad += grad)
+    optimizer_s_per_param: float       # per trained parameter on the rank
+    act_scale: float                   # measured / inventory of the activations
+    workspace_gib: float               # constant allocations beyond weights, state and activations
+    decode_gbps: dict                  # batch -> effective bytes/s of the embedded engine's decode step (GB/s)
+    sync_gbps: dict                    # method -> GB/s of a weight update, where measured
+    calibration: dict                  # the fit's own check: predicted vs measured at the calibration shape
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str                          # the hw layer (h200, h20, cpu)
+    gpu: str                           # HW_GPU_NAME
+    memory_gib: float
+    peak_tflops: float
+    gpus_per_node: int
+    nvlink_gbps: float                 # per-GPU bus bandwidth of collectives inside a node
+    ib_gbps: float                     # per-GPU bandwidth across nodes
+    hbm_gbps: float = 0.0              # copy bandwidth (HW_HBM_GBPS; 0: the calibration's)
+    rates: Rates | None = None
+    reserve_gib: float = 2.0           # CUDA context, NCCL communicators: never available to the allocator
+    fragmentation: float = 0.03        # reserved over allocated with expandable segments
+    assumptions: tuple[str, ...] = ()
+
+    @property
+    def usable_gib(self) -> float:
+        return max(0.0, (self.memory_gib - self.reserve_gib) / (1 + self.fragmentation))
+
+
+# ================================================================================================ the model's shape
+@dataclass(frozen=True)
+class Block:
+    key: str                           # layers.3 | mtp.0
+    layer_id: int
+    ratio: int
+    hash_routed: bool
+    params: tuple                      # ((shard, fp32, group), elements): shard tp|rep|exp, group main|indexer|mtp|frozen
+    flops: tuple                       # ((part, forward FLOPs per token, share of it replicated over TP), ...)
+
+    @property
+    def kind(self) -> tuple:
+        """Blocks of one kind hold the same parameters and do the same work: MTP or not, ratio, hash routing."""
+        return (self.key.startswith("mtp."), self.ratio, self.hash_routed)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    cfg: object                        # dsv4.config.ModelConfig
+    blocks: tuple[Block, ...]          # main layers, then MTP blocks
+    top: tuple                         # params outside the blocks: ((where, shard, fp32, group), elements)
+    head_flops: float                  # forward FLOPs per token of the LM head (one set of logits)
+    seq_len: int
+    train_flops: tuple                 # model FLOPs per trained token (dsv4.flops): (without MTP, with MTP)
+
+    @property
+    def layers(self) -> tuple[Block, ...]:
+        return tuple(b for b in self.blocks if b.key.startswith("layers."))
+
+    @property
+    def mtp_blocks(self) -> tuple[Block, ...]:
+        return tuple(b for b in self.blocks if b.key.startswith("mtp."))
+
+    def n_params(self) -> int:
+        return sum(n for b in self.blocks for _, n in b.params) + sum(n for _, n in self.top)
+
+
+_FP32_LEAVES = ("attn_sink", "ape")
+
+
+def _param_kind(name: str, cfg) -> tuple[str, bool, str]:
+    """(shard, fp32, group) of an official parameter name, as dsv4.megatron holds it."""
+    leaf = name.rsplit(".", 1)[-1]
+    if ".shared_experts." in name or any(f".attn.{p}." in name for p in ("wq_b", "wo_a", "wo_b")) \
+            or leaf == "attn_sink" or name in ("embed.weight", "head.weight"):
+        shard = "tp"
+    elif ".experts." in name:
+        shard = "exp"
+    else:
+        shard = "rep"
+    fp32 = cfg.dtype == "fp32" or leaf in _FP32_LEAVES or leaf.startswith("hc_") or name.endswith("norm.weight") \
+        or ".compressor.wkv." in name or ".compressor.wgate." in name or name == "head.weight" \
+        or name.endswith("gate.bias") or leaf == "tid2eid"
+    if leaf == "tid2eid" or name.endswith("gate.bias"):
+        group = "frozen"                 # the hash table and the router bias are not trained
+    elif name.startswith("mtp."):
+        group = "mtp"
+    elif ".indexer." in name:
+        group = "indexer"
+    else:
+        group = "main"
+    return shard, fp32, group
+
+
+@functools.lru_cache(maxsize=32)
+def model_shape(preset: str, overrides: tuple[str, ...] = (), seq_len: int = 4096) -> ModelShape:
+    """The model's parameter placement and FLOPs by block (cached: planning asks for thousands of layouts)."""
+    from dsv4.config import ModelConfig
+    from dsv4.flops import _part, block_flops_per_token
+
+    cfg = ModelConfig.preset(preset).with_overrides(*overrides)
+    per_block: dict[str, dict] = {}
+    top: dict[tuple, int] = {}
+    rep_flops: dict[str, dict[str, float]] = {}
+    expert_kind: dict = {}
+    for name, shape in cfg.param_shapes().items():
+        n = math.prod(shape)
+        head, sep, rest = name.partition(".experts.")
+        if sep and not head.endswith(".shared"):
+            # 256-384 experts x 3 weights a block: classify one, reuse it (the names differ only in the expert id)
+            e_key = (head, rest.split(".", 1)[1])
+            kind = expert_kind.get(e_key)
+            if kind is None:
+                kind = expert_kind[e_key] = _param_kind(name, cfg)
+            blk = head.rsplit(".", 1)[0]
+            d = per_block.setdefault(blk, {})
+            d[kind] = d.get(kind, 0) + n
+            continue
+        kind = _param_kind(name, cfg)
+        if name.startswith(("layers.", "mtp.")):
+            key = ".".join(name.split(".")[:2])
+            d = per_block.setdefault(key, {})
+            d[kind] = d.get(kind, 0) + n
+            if len(shape) == 2 and kind[0] == "rep" and not name.endswith(("tid2eid", ".ape")):
+                part = _part(name)
+                rep_flops.setdefault(key, {}).setdefault(part, 0.0)
+                rep_flops[key][part] += 2.0 * n
+        else:
+            where = "first" if name == "embed.weight" else "last"
+            top[(where, *kind)] = top.get((where, *kind), 0) + n
+    flops = block_flops_per_token(cfg, seq_len, mtp=True)
+    blocks = []
+    for i in range(cfg.n_layers + cfg.n_mtp_layers):
+        key = f"layers.{i}" if i < cfg.n_layers else f"mtp.{i - cfg.n_layers}"
+        parts = []
+        for part, f in flops.get(key, {}).items():
+            rep = rep_flops.get(key, {}).get(part, 0.0)
+            if part in ("sparse attention",):
+                share = 0.0
+            elif part == "indexer":
+                share = 1.0               # the indexer's projections and its scoring run whole on every TP rank
+            else:
+                share = min(1.0, rep / f) if f else 0.0
+            parts.append((part, f, share))
+        blocks.append(Block(key, i, cfg.layer_ratio(i), cfg.is_hash_layer(i),
+                            tuple(sorted(per_block[key].items())), tuple(parts)))
+    head = 2.0 * cfg.dim * cfg.vocab_size
+    # forward FLOPs with MTP, and without: less the MTP blocks and their logits (what block_flops_per_token(mtp=False)
+    # leaves out); training is 3 x the forward (dsv4.flops.train_flops_per_token)
+    with_mtp = sum(sum(v.values()) for v in flops.values())
+    without = with_mtp - sum(sum(v.values()) for k, v in flops.items() if k.startswith("mtp.")) \
+        - head * cfg.n_mtp_layers
+    return ModelShape(preset + ("+" + " ".join(overrides) if overrides else ""), cfg, tuple(blocks),
+                      tuple(sorted(top.items())), head, seq_len, (3.0 * without, 3.0 * with_mtp))
+
+
+# ================================================================================================ checks
+def layout_problems(shape: ModelShape, lay: Layout, wl: Workload, gpus_per_node: int) -> list[str]:
+    """Why a layout cannot run at all, one reason each (divisibility, splits, placement); empty if it can."""
+    cfg, out = shape.cfg, []
+    if lay.tp > gpus_per_node:
+        out.append(f"TP across nodes: TP={lay.tp} spans nodes ({gpus_per_node} GPUs a node): its 8 collectives a layer and "
+                   "micro-batch would cross the network")
+    if cfg.n_heads % lay.tp or cfg.o_groups % lay.tp:
+        out.append(f"heads/TP: TP={lay.tp} must divide the {cfg.n_heads} heads and {cfg.o_groups} output groups")
+    if cfg.vocab_size % lay.tp:
+        out.append(f"vocab/TP: TP={lay.tp} must divide the vocabulary of {cfg.vocab_size}")
+    if (cfg.moe_inter_dim // max(lay.tp, 1)) % BLOCK or cfg.moe_inter_dim % lay.tp:
+        out.append(f"shared expert dim/TP: {cfg.moe_inter_dim}/{lay.tp} is not a multiple of the {BLOCK}-wide FP8 "
+                   "blocks its weights are stored and synced in")
+    if cfg.n_routed_experts % lay.ep:
+        out.append(f"experts/EP: EP={lay.ep} must divide the {cfg.n_routed_experts} routed experts")
+    if lay.etp not in (1, lay.tp):
+        out.append(f"ETP: ETP={lay.etp}; dsv4.megatron runs ETP=1 (whole experts) or ETP=TP={lay.tp}")
+    if cfg.moe_inter_dim % lay.etp or (cfg.moe_inter_dim // lay.etp) % BLOCK:
+        out.append(f"expert dim/ETP: {cfg.moe_inter_dim}/{lay.etp} is not a multiple of the {BLOCK}-wide FP8 "
+                   "blocks the expert weights are stored and synced in")
+    if (lay.dp * lay.cp * lay.tp) % (lay.ep * lay.etp):
+        out.append(f"expert grid: EP*ETP={lay.ep}*{lay.etp} must divide DP*CP*TP={lay.dp}*{lay.cp}*{lay.tp} "
+                   "(megatron's expert grid)")
+    if lay.cp > 1:
+        if wl.seq_len % (2 * lay.cp):
+            out.append(f"CP: sequence {wl.seq_len} is not a multiple of 2*CP={2 * lay.cp}")
+        if wl.rl is not None:
+            out.append("CP: RL scores whole sequences; the trainer refuses CP > 1 in RL")
+    if (wl.seq_len // lay.cp) % lay.tp:
+        out.append(f"SP: {wl.seq_len}/CP={wl.seq_len // lay.cp} positions do not split over TP={lay.tp}")
+    stages = lay.stages or (cfg.n_layers,)
+    if len(stages) != lay.pp * lay.vpp or sum(stages) != cfg.n_layers or min(stages) < 1:
+        out.append(f"layers/PP split: {list(stages)} is not {lay.pp * lay.vpp} stages of >= 1 layer adding up to "
+                   f"the model's {cfg.n_layers}")
+    elif lay.pp > 1 and stages[0] < cfg.n_hash_layers:
+        out.append(f"hash-routed layers on stage 0: layers 0-{cfg.n_hash_layers - 1} route by token id and must "
+                   f"sit on the first stage (megatron's schedule hands later stages only the residual streams), "
+                   f"but it holds {stages[0]}")
+    batch = wl.rl.samples if wl.rl else wl.global_batch
+    mbs = wl.rl.minibatches if wl.rl else 1
+    if batch % (lay.micro_batch * lay.dp * mbs):
+        out.append(f"batch: {batch} sequences a step do not split into DP={lay.dp} x micro-batches of "
+                   f"{lay.micro_batch}" + (f" x {mbs} minibatches" if mbs > 1 else ""))
+    if wl.attn_impl not in ATTN_IMPLS or wl.optimizer not in OPTIMIZERS or wl.recompute not in ("none", "full"):
+        out.append(f"workload: attn_impl {wl.attn_impl!r}, optimizer {wl.optimizer!r}, recompute {wl.recompute!r}")
+    return out
+
+
+def split_layers(n_layers: int, pp: int, n_hash: int, head_layers: float = 1.5, vpp: int = 1) -> tuple[int, ...]:
+    """Layers per stage in the form the config takes (first / even middle / last): the split whose slowest stage is
+    fastest, counting the head (and its logits) as `head_layers` layers on the last stage; stage 0 keeps the
+    hash-routed layers; ties go to fewer layers on stage 0, which holds the most micro-batches in flight."""
+    stages = pp * vpp
+    if stages == 1:
+        return (n_layers,)
+    if n_layers < stages:
+        return ()
+    best, best_key = (), None
+    if n_layers % stages == 0:
+        even = (n_layers // stages,) * stages
+        best, best_key = even, (max(even[0], even[-1] + head_layers), even[0])
+    if stages == 2:
+        for first in range(1, n_layers):
+            s = (first, n_layers - first)
+            key = (max(s[0], s[1] + head_layers), s[0])
+            if s[0] >= n_hash and (best_key is None or key < best_key):
+                best, best_key = s, key
+        return best
+    for first in range(1, n_layers):
+        for last in range(1, n_layers - first):
+            rest = n_layers - first - last
+            if rest < stages - 2 or rest % (stages - 2):
+                continue
+            mid = rest // (stages - 2)
+            key = (max(first, mid, last + head_layers), first)
+            if first >= min(n_hash, n_layers) and (best_key is None or key < best_key):
+                best, best_key = (first,) + (mid,) * (stages - 2) + (last,), key
+    return best
+
+
+# ================================================================================================ memory
+@dataclass
+class Memory:
+    stage: int
+    parts: dict                        # GiB by part on this stage's rank
+    host_gib: float = 0.0              # optimizer state on the host (offload)
+    in_flight: int = 1
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def _memo(ctx: dict | None, key: tuple, fn):
+    """fn() once per key within one planning pass (`ctx` shared by its predictions; None: no memo)."""
+    if ctx is None:
+        return fn()
+    if key not in ctx:
+        ctx[key] = fn()
+    return ctx[key]
+
+
+def _stage_kinds(shape: ModelShape, lay: Layout, stage: int, wl: Workload, ctx: dict | None) -> list:
+    """[(a block of each kind, how many)] on pipeline rank `stage`."""
+    def count():
+        out: dict[tuple, list] = {}
+        for b in stage_blocks(shape, lay, stage, wl):
+            out.setdefault(b.kind, [b, 0])[1] += 1
+        return [tuple(v) for v in out.values()]
+    return _memo(ctx, ("kinds", lay.stages, lay.pp, lay.vpp, stage, wl.mtp), count)
+
+
+def _trained(group: str, wl: Workload) -> bool:
+    return group == "main" or (group == "mtp" and wl.mtp) or (group == "indexer" and wl.indexer_loss)
+
+
+def _param_bytes(items, lay: Layout, wl: Workload, expert_shard: int, dense_shard: int) -> tuple[dict, float, float]:
+    """(bytes by part, host bytes, trained params on the rank) of parameter groups held on one rank."""
+    w = g = o = host = trained = 0.0
+    for (shard, fp32, group), n in items:
+        n_rank = n / (lay.tp if shard == "tp" else lay.ep * lay.etp if shard == "exp" else 1)
+        w += n_rank * (4 if fp32 else 2)
+        if _trained(group, wl):
+            trained += n_rank
+            g += n_rank * 4
+            state = n_rank * (8 if fp32 else 12)
+            if wl.optimizer == "dist":
+                state /= expert_shard if shard == "exp" else dense_shard
+            if wl.optimizer == "offload":
+                host += state
+            else:
+                o += state
+    return {"weights": w, "gradients": g, "optimizer": o}, host, trained
+
+
+def stage_blocks(shape: ModelShape, lay: Layout, stage: int, wl: Workload) -> list[Block]:
+    """The blocks of pipeline rank `stage` (all its virtual chunks), MTP with the last stage when it trains."""
+    stages = lay.stages or (shape.cfg.n_layers,)
+    layers = shape.layers
+    out, start = [], 0
+    for chunk, count in enumerate(stages):
+        if chunk % lay.pp == stage:
+            out += layers[start:start + count]
+        start += count
+    if stage == lay.pp - 1:
+        out += shape.mtp_blocks         # present (weights) even when MTP does not run
+    return out
+
+
+def stage_params(shape: ModelShape, lay: Layout, stage: int, wl: Workload, ctx: dict | None = None) -> list:
+    """((shard, fp32, group), elements) of every parameter pipeline rank `stage` holds: its blocks, the embedding on
+    the first stage, the head, final norm and hc head on the last (and, when MTP trains, its copy of the embedding)."""
+    items = [(kind, n * count) for b, count in _stage_kinds(shape, lay, stage, wl, ctx) for kind, n in b.params]
+    first, last = stage == 0, stage == lay.pp - 1
+    for (where, *kind), n in shape.top:
+        if (where == "first" and first) or (where == "last" and last) or (where == "first" and last and wl.mtp):
+            items.append((tuple(kind), n))
+    return items
+
+
+def block_activations(shape: ModelShape, blk: Block, lay: Layout, wl: Workload) -> tuple[dict, float, float]:
+    """(bytes a block keeps for its backward by part, its transient workspace, its indexer workspace) for one
+    micro-batch. The inventory of the tensors autograd saves in dsv4.megatron's block (bf16 = 2 bytes)."""
+    c = shape.cfg
+    t, cp, S = lay.tp, lay.cp, wl.seq_len
+    N = lay.micro_batch * S / cp                      # this CP rank's positions of the micro-batch
+    Ns = N / t                                        # its sequence-parallel shard between sublayers
+    d, hc, H, D = c.dim, c.hc_mult, c.n_heads / t, c.head_dim
+    r = blk.ratio
+    out = {}
+    # hyper-connections, both sublayers: the streams (bf16), their fp32 flattening for the mixes GEMM, the mixed
+    # input and the sublayer's output for hc_post
+    out["hyper-connections"] = 2 * Ns * (hc * d * 2 + hc * d * 4 + d * 2 + d * 2)
+    # attention on the gathered sequence: x, the q low-rank pair, q (projected, normed/rotated), the latent kv
+    # (projected, normed, rotated), kv rows with the compressed entries, indices, o (and de-rotated), lse, wo_a out
+    window = min(c.window_size, S)
+    if r == 0:
+        K, entries = window, 0
+    elif r == 4:
+        K, entries = window + min(c.index_topk, S // 4), S / 4
+    else:
+        K, entries = window + S / r, S / r
+    K_pad = math.ceil(K / 64) * 64
+    attn = N * (d * 2 + 2 * c.q_lora_rank * 2 + 3 * D * 2 + K_pad * 4) + N * H * (4 * D * 2 + 4) \
+        + (N + entries) * D * 2 + N * (c.o_groups / t) * c.o_lora_rank * 2
+    if wl.attn_impl == "torch":        # the gather reference: rows per slot (bf16 and its fp32 copy), scores, probs
+        attn += N * K_pad * D * (2 + 4) + N * H * K_pad * 4 * 3
+    elif wl.attn_impl == "dense":      # masked dense scores against every row (window layers: S, others S + S/m)
+        attn += N * H * (S + entries) * 4 * 2
+    out["attention"] = attn
+    idx_ws = 0.0
+    if r:
+        coff = 2 if r == 4 else 1
+        out["compressors"] = N * 2 * coff * D * 4     # fp32 kv and gate projections
+    if r == 4:
+        idx_ws = N * (S / 4) * 4                      # fp32 scores of every query against every entry: only CP divides
+        if wl.indexer_loss:
+            out["indexer"] = N * (c.index_n_heads * c.index_head_dim * 2 * 2 + c.index_topk * 4 * 3) \
+                + (S / 4) * c.index_head_dim * 2 * 2
+    k, inter = c.n_activated_experts, c.moe_inter_dim
+    n_moe = Ns if lay.etp == 1 else N                 # ETP = 1: each rank routes its own shard
+    out["router and dispatch"] = Ns * (d * 4 + c.n_routed_experts * 4 * 2) + n_moe * k * d * 2
+    out["routed experts"] = n_moe * k * 3 * (inter / lay.etp) * 2
+    out["shared expert"] = (0 if lay.etp > 1 else N * d * 2) + N * 3 * (inter / t) * 2
+    if wl.recompute == "full":
+        full = sum(out.values())
+        return {"recompute (block inputs)": Ns * hc * d * 2}, full, idx_ws
+    return out, 0.0, idx_ws
+
+
+def _head_activations(shape: ModelShape, lay: Layout, wl: Workload) -> tuple[float, float]:
+    """(saved, transient) bytes of the last stage's head for one micro-batch: hc_head, the gathered norm output,
+    the fp32 vocab-parallel logits kept for the cross-entropy; transient: their gradient and the split GEMM's bf16
+    halves of the fp32 head weight (made again every micro-batch)."""
+    c = shape.cfg
+    N = lay.micro_batch * wl.seq_len / lay.cp
+    V = c.vocab_size / lay.tp
+    heads = 1 + (c.n_mtp_layers if wl.mtp else 0)
+    saved = heads * (N / lay.tp * c.hc_mult * c.dim * 6 + N * c.dim * 2 + N * V * 4)
+    transient = N * V * 4 + 2 * V * c.dim * 2
+    return saved, transient
+
+
+def in_flight(lay: Layout, stage: int, n_micro: int) -> float:
+    """Micro-batches whose activations pipeline rank `stage` holds at its peak (in units of a whole stage's)."""
+    if lay.pp == 1:
+        return 1.0
+    if lay.vpp == 1:
+        return float(min(lay.pp - stage, n_micro))
+    # megatron's interleaved schedule: warm-up (pp - rank - 1) * 2 + (vpp - 1) * pp chunk forwards, plus one
+    chunks = min((lay.pp - stage - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, n_micro * lay.vpp)
+    return chunks / lay.vpp
+
+
+def micro_batches(lay: Layout, wl: Workload) -> int:
+    if wl.rl:
+        return max(1, wl.rl.samples // (wl.rl.minibatches * lay.micro_batch * lay.dp))
+    return max(1, wl.global_batch // (lay.micro_batch * lay.dp))
+
+
+def stage_memory(shape: ModelShape, lay: Layout, wl: Workload, rates: Rates | None, stage: int,
+                 ctx: dict | None = None) -> Memory:
+    expert_shard = max(1, lay.dp * lay.cp * lay.tp // (lay.ep * lay.etp))
+    dense_shard = lay.dp * lay.cp
+    last = stage == lay.pp - 1
+    static, host, _ = _param_bytes(stage_params(shape, lay, stage, wl, ctx), lay, wl, expert_shard, dense_shard)
+    n_micro = micro_batches(lay, wl)
+    flight = in_flight(lay, stage, n_micro)
+    saved: dict[str, float] = {}
+    transient_blocks, idx_ws = 0.0, 0.0
+    for b, count in _stage_kinds(shape, lay, stage, wl, ctx):
+        if b.key.startswith("mtp.") and not wl.mtp:
+            continue                                  # MTP neither runs nor trains without its loss
+        acts, trans, iws = _memo(ctx, ("acts", b.kind, lay.tp, lay.cp, lay.etp, lay.micro_batch),
+                                 lambda b=b: block_activations(shape, b, lay, wl))
+        for p, v in acts.items():
+            saved[p] = saved.get(p, 0.0) + v * count
+        transient_blocks = max(transient_blocks, trans or sum(acts.values()))
+        idx_ws = max(idx_ws, iws)
+    head_trans = head_saved = 0.0
+    if last:
+        head_saved, head_trans = _head_activations(shape, lay, wl)
+    scale = rates.act_scale if rates else 1.0
+    parts = {k: v / GiB for k, v in static.items()}
+    if wl.optimizer == "offload":
+        parts.pop("optimizer")
+    for p, v in saved.items():
+        parts[f"activations: {p}"] = v * flight * scale / GiB
+    if head_saved:
+        # the head runs once a micro-batch, at the end of its forward: one micro-batch's logits at a time
+        parts["activations: lm head"] = head_saved * scale / GiB
+    transient = {"one block's backward": transient_blocks, "indexer fp32 scores": idx_ws,
+                 "logits gradient and head halves": head_trans}
+    big = max(transient, key=transient.get)
+    if transient[big]:
+        parts[f"transient: {big}"] = transient[big] * scale / GiB
+    if rates:
+        parts["workspace"] = rates.workspace_gib
+    return Memory(stage, parts, host / GiB, int(round(flight)) if lay.vpp == 1 else flight,
+                  {"transients_gib": {k: v * scale / GiB for k, v in transient.items()}})
+
+
+# ================================================================================================ time
+class UnknownBandwidth(Exception):
+    """A collective crosses a link whose bandwidth the hw layer does not state (HW_NVLINK_GBPS / HW_IB_GBPS = 0)."""
+
+
+def _bw(gbps: float) -> float:
+    if gbps <= 0:
+        raise UnknownBandwidth
+    return gbps
+
+
+def _a2a_seconds(nbytes: float, group: int, peers_per_node: int, hw: Hardware) -> float:
+    """All-to-all of `nbytes` a rank sends (uniformly to its `group` peers, itself included; routing assumed
+    balanced) over NVLink to the peers of its node and the network to the others, both at once."""
+    if group <= 1:
+        return 0.0
+    local = min(group, peers_per_node)
+    on = nbytes * (local - 1) / group
+    off = nbytes * (group - local) / group
+    return max(on / (_bw(hw.nvlink_gbps) * 1e9) if on else 0.0, off / (_bw(hw.ib_gbps) * 1e9) if off else 0.0)
+
+
+def _ring_seconds(nbytes: float, group: int, contiguous: int, gpus_per_node: int, hw: Hardware,
+                  passes: float = 1.0) -> float:
+    """A ring all-gather or reduce-scatter (passes=1) or all-reduce (passes=2) of `nbytes` over `group` ranks laid
+    `contiguous` apart: within one node when the group fits in it, else across nodes at the network's bandwidth."""
+    if group <= 1:
+        return 0.0
+    bw = hw.nvlink_gbps if contiguous * group <= gpus_per_node else hw.ib_gbps
+    return passes * nbytes * (group - 1) / group / (_bw(bw) * 1e9)
+
+
+_GEMM_PART = {"attention projections": "attention", "compressors": "compressors", "indexer": "indexer",
+              "router": "experts", "routed experts": "experts", "shared expert": "experts",
+              "hyper-connections": None, "mtp projections": "attention"}
+
+
+def block_time(shape: ModelShape, b: Block, lay: Layout, wl: Workload, hw: Hardware) -> dict:
+    """Seconds one micro-batch costs one block on its rank (forward + backward, recompute's forward), by part."""
+    R, c = hw.rates, shape.cfg
+    t, cp, S = lay.tp, lay.cp, wl.seq_len
+    N = lay.micro_batch * S / cp
+    Ns = N / t
+    fwd_passes = 3.0 + (1.0 if wl.recompute == "full" else 0.0)
+    out: dict[str, float] = {}
+
+    def add(k, v):
+        out[k] = out.get(k, 0.0) + v
+
+    for part, f, rep in b.flops:
+        gemm = _GEMM_PART.get(part)
+        if gemm is None:
+            continue
+        if part in ("router", "routed experts", "mtp projections"):
+            work = Ns * f * fwd_passes                # the rank's own shard (ETP=1), or 1/ETP of the gathered rows
+        elif part == "indexer":
+            # whole on every TP rank; frozen (no loss) it runs forward only
+            work = N * f * (fwd_passes if wl.indexer_loss else 1.0)
+        else:
+            work = N * f * (rep + (1 - rep) / t) * fwd_passes
+        add("routed experts" if part == "router" else part, work / (R.tflops[gemm] * 1e12))
+    # the sparse attention kernels over the slots they visit (padded to their 64-blocks)
+    window = min(c.window_size, S)
+    K = window + (min(c.index_topk, S // 4) if b.ratio == 4 else S / b.ratio if b.ratio else 0)
+    per = N * (c.n_heads / t) * math.ceil(K / 64) * 64 * c.head_dim
+    fwd = 4 * per / (R.sparse_fwd_tflops * 1e12)
+    bwd = 10 * per / (R.sparse_bwd_tflops * 1e12)
+    slow = ATTN_SLOWDOWN[wl.attn_impl]
+    add("sparse attention", slow * (fwd * (2 if wl.recompute == "full" else 1) + bwd))
+    add("elementwise (hc, norms, routing)",
+        R.elementwise_ns * 1e-9 * Ns * (c.dim * c.hc_mult / 16384) * fwd_passes / 3.0)
+    add("fixed per layer", R.layer_mb_s)
+    gpn = hw.gpus_per_node
+    # TP: the attention and the shared expert (or ETP's MoE) gather the sequence and reduce-scatter their output,
+    # forward and backward
+    add("TP collectives", 8 * _ring_seconds(N * c.dim * 2, t, 1, gpn, hw))
+    # EP: dispatch and combine, forward and backward: the rank's tokens x top-k rows of dim (bf16)
+    # (ETP = TP: every rank of the TP group dispatches the gathered tokens to its peers, which sit ETP ranks apart)
+    n_moe = Ns if lay.etp == 1 else N
+    add("EP all-to-all", 4 * _a2a_seconds(n_moe * c.n_activated_experts * c.dim * 2, lay.ep, max(1, gpn // lay.etp),
+                                          hw))
+    if cp > 1:
+        # halo rows of x, every chunk's compressed entries (and the indexer's keys): gathered forward,
+        # reduce-scattered backward, over the CP group (ranks TP apart)
+        reach = max(c.window_size - 1, (2 * b.ratio - 1 if b.ratio == 4 else b.ratio - 1) if b.ratio else 0)
+        L = S / (2 * cp)
+        halo = 2 * min(reach, L) * c.dim * 2 * lay.micro_batch
+        entries = (S / b.ratio * c.head_dim * 2 if b.ratio else 0) * lay.micro_batch
+        keys = (S / 4 * c.index_head_dim * 2 if b.ratio == 4 else 0) * lay.micro_batch
+        add("CP gathers", 2 * (_ring_seconds(halo * cp, cp, t, gpn, hw) + _ring_seconds(entries + keys, cp, t, gpn, hw)))
+    return out
+
+
+ATTN_SLOWDOWN = {"tilelang": 1.0, "torch": 20.0, "dense": 10.0}   # kernels.jsonl: the torch fallback is 15-38x slower
+
+
+def stage_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage: int, ctx: dict | None = None) -> dict:
+    """Seconds one micro-batch costs pipeline rank `stage` (forward + backward), by part."""
+    c = shape.cfg
+    t = lay.tp
+    N = lay.micro_batch * wl.seq_len / lay.cp
+    out: dict[str, float] = {}
+
+    def add(k, v):
+        out[k] = out.get(k, 0.0) + v
+
+    for b, count in _stage_kinds(shape, lay, stage, wl, ctx):
+        if b.key.startswith("mtp.") and not wl.mtp:
+            continue
+        per = _memo(ctx, ("time", b.kind, lay.tp, lay.cp, lay.ep, lay.etp, lay.micro_batch),
+                    lambda b=b: block_time(shape, b, lay, wl, hw))
+        for k, v in per.items():
+            add(k, v * count)
+    if stage == lay.pp - 1:
+        heads = 1 + (c.n_mtp_layers if wl.mtp else 0)
+        passes = 3.0 + (1.0 if wl.recompute == "full" else 0.0)
+        add("lm head", heads * passes * N * shape.head_flops / t / (hw.rates.tflops["head"] * 1e12))
+        add("TP collectives", 2 * heads * _ring_seconds(N * c.dim * 2, t, 1, hw.gpus_per_node, hw))
+    if lay.pp > 1:
+        # the residual streams to the next stage forward and their gradient back, per virtual chunk
+        act = N / t * c.hc_mult * c.dim * 2
+        across = lay.tp * lay.cp * lay.dp >= hw.gpus_per_node
+        add("PP p2p", 2 * lay.vpp * act / (_bw(hw.ib_gbps if across else hw.nvlink_gbps) * 1e9))
+    _, _, trained = _param_bytes(stage_params(shape, lay, stage, wl, ctx), lay, wl, 1, 1)
+    add("gradient accumulation", hw.rates.grad_accum_s_per_param * trained)
+    return out
+
+
+@dataclass
+class Prediction:
+    shape: str
+    layout: Layout
+    workload: Workload
+    hardware: str
+    memory: Memory                     # the fullest rank's
+    stage_memory_gib: list             # total per stage
+    usable_gib: float
+    fits: bool
+    overflow: str                      # why not, by part ("" when it fits)
+    time: dict                         # seconds per step by part (empty without rates)
+    step_s: float | None
+    tokens_per_s_gpu: float | None
+    mfu: float | None
+    bottleneck: str
+    notes: list
+    rates: str = ""                    # where the step-time rates come from
+
+    @property
+    def peak_gib(self) -> float:
+        return self.memory.total
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout.to_json(), "model": self.shape, "hardware": self.hardware,
+                "peak_gib": round(self.peak_gib, 2), "usable_gib": round(self.usable_gib, 2), "fits": self.fits,
+                "overflow": self.overflow, "memory_stage": self.memory.stage, "in_flight": self.memory.in_flight,
+                "memory_gib": {k: round(v, 3) for k, v in self.memory.parts.items()},
+                "host_gib": round(self.memory.host_gib, 2),
+                "stage_memory_gib": [round(x, 2) for x in self.stage_memory_gib],
+                "step_s": None if self.step_s is None else round(self.step_s, 4),
+                "time_s": {k: round(v, 5) for k, v in self.time.items()},
+                "tokens_per_s_gpu": None if self.tokens_per_s_gpu is None else round(self.tokens_per_s_gpu, 1),
+                "mfu": None if self.mfu is None else round(self.mfu, 4), "bottleneck": self.bottleneck,
+                "rates": self.rates, "notes": self.notes}
+
+
+def predict(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: dict | None = None,
+            time_if_oom: bool = True) -> Prediction:
+    """Memory of the fullest rank and the step's time by part (time only where the hardware has rates). `ctx`:
+    a memo shared by the predictions of one planning pass."""
+    R = hw.rates
+    mems = [stage_memory(shape, lay, wl, R, s, ctx) for s in range(lay.pp)]
+    usable = hw.usable_gib
+    notes: list[str] = []
+    rl_mem = rollout_memory(shape, lay, wl, hw) if wl.rl else {}
+    for m in mems:
+        m.parts.update(rl_mem)
+    worst = max(mems, key=lambda m: m.total)
+    fits = worst.total <= usable or not hw.memory_gib
+    overflow = "" if fits else _overflow(shape, lay, wl, hw, worst, usable)
+    time: dict[str, float] = {}
+    step = tps = mfu = None
+    bottleneck = ""
+    if R is None:
+        notes.append(f"no step-time rates for {hw.gpu or hw.name} (benchmarks/records/plan_calibration.jsonl): "
+                     "memory only")
+    elif fits or time_if_oom:
+        try:
+            time = _step_time(shape, lay, wl, hw, ctx)
+        except UnknownBandwidth:
+            notes.append("a collective crosses a link of unknown bandwidth (HW_NVLINK_GBPS / HW_IB_GBPS = 0): "
+                         "no step time")
+    if time:
+        step = sum(time.values())
+        seqs = wl.rl.samples if wl.rl else wl.global_batch
+        gpus = lay.world + (wl.rl.rollout_gpus if wl.rl and not wl.rl.colocated else 0)
+        tps = seqs * wl.seq_len / step / gpus
+        mfu = shape.train_flops[1 if wl.mtp else 0] * tps / (hw.peak_tflops * 1e12) if hw.peak_tflops else None
+        name = max(time, key=time.get)
+        bottleneck = f"{name} ({time[name] / step:.0%})"
+    rates = "" if R is None else (f"rates measured on the {R.gpu}" if R.source == "measured"
+                                  else f"{R.gpu} rates scaled from a measured GPU's (an assumption)")
+    return Prediction(shape.name, lay, wl, hw.name, worst, [m.total for m in mems], usable, fits, overflow, time,
+                      step, tps, mfu, bottleneck, notes, rates)
+
+
+def _step_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: dict | None) -> dict:
+    """Seconds a step by part: the pipeline over the slowest stage (1F1B: the first micro-batch passes every stage,
+    the rest follow at the slowest stage's pace; interleaving divides the fill and drain by its virtual stages),
+    then the data-parallel gradient reduction, the TP all-reduce of the replicated parameters' gradients and the
+    optimizer; RL adds the rollout and the weight sync."""
+    n_micro = micro_batches(lay, wl)
+    per_stage = [stage_time(shape, lay, wl, hw, s, ctx) for s in range(lay.pp)]
+    totals = [sum(p.values()) for p in per_stage]
+    slow = max(range(lay.pp), key=lambda s: totals[s])
+    pipe = n_micro * totals[slow] + (sum(totals) - totals[slow]) / lay.vpp
+    time = {k: v * n_micro for k, v in per_stage[slow].items()}
+    time["PP bubble"] = pipe - n_micro * totals[slow]
+    dp_t, tp_grad = _grad_sync_seconds(shape, lay, wl, hw, slow, ctx)
+    if wl.overlap_grad_reduce:
+        # megatron reduces each bucket as the last micro-batch's backward produces it
+        dp_t = max(0.0, dp_t - 2.0 / 3.0 * totals[slow])
+    time["DP gradient sync"] = dp_t
+    time["TP replicated-grad all-reduce"] = tp_grad
+    time["optimizer"] = _optimizer_seconds(shape, lay, wl, hw, slow, ctx)
+    updates = wl.rl.minibatches if wl.rl else 1
+    if updates > 1:
+        time = {k: v * updates for k, v in time.items()}
+    if wl.rl:
+        time.update(rollout_time(shape, lay, wl, hw))
+    return {k: v for k, v in time.items() if v}
+
+
+def _overflow(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, m: Memory, usable: float) -> str:
+    """Why a layout does not fit, by part: "memory, <cause>: <figures>; <what to do>"."""
+    parts = sorted(m.parts.items(), key=lambda kv: -kv[1])
+    top = ", ".join(f"{k} {v:.1f}" for k, v in parts[:4])
+    figures = (f"{m.total:.1f} GiB on stage {m.stage} > {usable:.1f} usable of {hw.memory_gib:g} "
+               f"({top}; {m.in_flight} micro-batch(es) in flight)")
+    state = m.parts.get("weights", 0) + m.parts.get("gradients", 0) + m.parts.get("optimizer", 0)
+    opt = m.parts.get("optimizer", 0)
+    dense = m.parts.get("activations: attention", 0) if wl.attn_impl == "dense" else 0
+    idx = m.detail.get("transients_gib", {}).get("indexer fp32 scores", 0)
+    rollout = sum(v for k, v in m.parts.items() if k.startswith("rollout engine"))
+    if state > usable:
+        return (f"memory, state alone: {figures}; weights, gradients and Adam state do not fit before the first "
+                "activation: spread the model wider (EP, PP, TP) or shard the optimizer (dist) / offload it")
+    if opt and m.total - opt <= usable:
+        return (f"memory, Adam state: {figures}; the first step's backward would fit, but the Adam state its "
+                "optimizer step creates overflows the second backward (the DSV4 OOM of radixark/miles#3142): shard "
+                "it (dist) or offload it")
+    if dense > 0.25 * usable:
+        return (f"memory, dense attention: {figures}; the dense fallback's scores take {dense:.1f} GiB (the OOM of "
+                "verl#6943 with CP > 1): use the sparse kernel")
+    if idx > 0.1 * usable:
+        return (f"memory, indexer scores: {figures}; the indexer's fp32 [S/CP, S/4] scores take {idx:.1f} GiB a "
+                "layer, which only CP divides (radixark/miles#1766): raise CP")
+    if rollout and m.total - rollout <= usable:
+        return f"memory, rollout engine: {figures}; the colocated engine takes {rollout:.1f} GiB: give it its own nodes"
+    return (f"memory, activations: {figures}; fewer micro-batches in flight (more PP stages, smaller micro-batch), "
+            "more CP or TP, or recompute")
+
+
+def _grad_sync_seconds(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage: int,
+                       ctx: dict | None = None) -> tuple[float, float]:
+    """(data-parallel gradient reduction, TP all-reduce of the replicated parameters' gradients) of one step."""
+    dense = exp = rep = 0.0
+    for (shard, fp32, group), n in stage_params(shape, lay, stage, wl, ctx):
+        if not _trained(group, wl):
+            continue
+        if shard == "exp":
+            exp += n / (lay.ep * lay.etp)
+        else:
+            dense += n / (lay.tp if shard == "tp" else 1)
+            rep += n if shard == "rep" else 0
+    n_dense, n_exp = lay.dp * lay.cp, max(1, lay.dp * lay.cp * lay.tp // (lay.ep * lay.etp))
+    gpn = hw.gpus_per_node
+    if wl.optimizer == "dist":      # reduce-scatter fp32 grads, all-gather bf16 params
+        dp = (_ring_seconds(dense * 4, n_dense, lay.tp, gpn, hw) + _ring_seconds(dense * 2, n_dense, lay.tp, gpn, hw)
+              + _ring_seconds(exp * 4, n_exp, lay.ep * lay.etp, gpn, hw)
+              + _ring_seconds(exp * 2, n_exp, lay.ep * lay.etp, gpn, hw))
+    else:
+        dp = (_ring_seconds(dense * 4, n_dense, lay.tp, gpn, hw, 2)
+              + _ring_seconds(exp * 4, n_exp, lay.ep * lay.etp, gpn, hw, 2))
+    tp = _ring_seconds(rep * 4, lay.tp, 1, gpn, hw, 2)
+    return dp, tp
+
+
+OFFLOAD_PCIE_GBPS = 25.0           # assumption: effective host<->GPU copy per GPU (PCIe Gen5 x16 ~ 50 GB/s, shared)
+OFFLOAD_ADAM_S_PER_PARAM = 1.0e-9  # assumption: host Adam over one GPU's share of the node's cores
+
+
+def _optimizer_seconds(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage: int,
+                       ctx: dict | None = None) -> float:
+    expert_shard = max(1, lay.dp * lay.cp * lay.tp // (lay.ep * lay.etp))
+    _, _, trained = _param_bytes(stage_params(shape, lay, stage, wl, ctx), lay, wl, expert_shard, lay.dp * lay.cp)
+    if wl.optimizer == "offload":
+        return trained * (4 + 2) / (OFFLOAD_PCIE_GBPS * 1e9) + trained * OFFLOAD_ADAM_S_PER_PARAM
+    share = 1.0
+    if wl.optimizer == "dist":
+        share = 1.0 / max(1, lay.dp * lay.cp)
+    return hw.rates.optimizer_s_per_param * trained * share
+
+
+# ================================================================================================ RL
+def kv_bytes_per_sequence(cfg, length: int) -> float:
+    """The decode cache of one sequence: per layer a 128-row window ring of the latent, the compressed entries, and on
+    ratio-4 layers the indexer's keys (bf16)."""
+    total = 0.0
+    for i in range(cfg.n_layers):
+        r = cfg.layer_ratio(i)
+        total += cfg.window_size * cfg.head_dim * 2
+        if r:
+            total += length / r * cfg.head_dim * 2
+        if r == 4:
+            total += length / 4 * cfg.index_head_dim * 2
+    return total
+
+
+def _sync_bytes(shape: ModelShape, fmt: str) -> float:
+    """Bytes a weight update sends: every weight in the trainer's dtype, or with fmt=fp8 the release's FP8/FP4
+    linears as e4m3 (1 byte) with a 128x128 block's scale."""
+    cfg = shape.cfg
+    total = 0.0
+    for name, s in cfg.param_shapes().items():
+        n = math.prod(s)
+        store = cfg.storage_format(name)
+        fp32 = _param_kind(name, cfg)[1]
+        if fmt == "fp8" and store in ("fp8", "fp4"):
+            total += n * (1 + 1 / (BLOCK * BLOCK))
+        else:
+            total += n * (4 if fp32 else 2)
+    return total
+
+
+def rollout_memory(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware) -> dict:
+    """GiB the rollout engine takes on a trainer GPU (colocated only)."""
+    rl = wl.rl
+    if rl is None or not rl.colocated:
+        return {}
+    if rl.engine == "sglang":
+        # SGLang reserves its fraction of the GPU for weights and KV cache up front, whatever they need
+        return {"rollout engine (SGLang --mem-fraction-static)": rl.mem_fraction * hw.memory_gib}
+    cfg = shape.cfg
+    # the embedded engine holds a whole model per process; its stacked experts copy and the head's bf16 halves
+    weights = _sync_bytes(shape, rl.sync_format)
+    experts = sum(n * 2 for b in shape.blocks for (sh, _, _), n in b.params if sh == "exp")
+    halves = 2 * cfg.vocab_size * cfg.dim * 2
+    kv = rl.samples / max(1, lay.dp) * kv_bytes_per_sequence(cfg, wl.seq_len)
+    return {"rollout engine: weights": weights / GiB, "rollout engine: stacked experts": experts / GiB,
+            "rollout engine: head halves": halves / GiB, "rollout engine: KV cache": kv / GiB}
+
+
+def _decode_bytes(cfg, batch: int, length: int, tp: int = 1, ep: int = 1) -> float:
+    """Bytes one decode step reads on one engine rank: every weight but the embedding and the routed experts, the
+    experts the batch's routes activate (uniform routing), the batch's KV rows (window, attended entries, every
+    indexer key)."""
+    E, k = cfg.n_routed_experts, cfg.n_activated_experts
+    active = E * (1 - (1 - k / E) ** batch)
+    expert = 3 * cfg.moe_inter_dim * cfg.dim * 2
+    non_expert = 0.0
+    for name, s in cfg.param_shapes().items():
+        if name == "embed.weight" or ".experts." in name or name.endswith("tid2eid"):
+            continue
+        non_expert += math.prod(s) * (4 if name == "head.weight" else 2)
+    kv = 0.0
+    for i in range(cfg.n_layers):
+        r = cfg.layer_ratio(i)
+        kv += cfg.window_size * cfg.head_dim * 2
+        if r == 4:
+            kv += min(cfg.index_topk, length // 4) * cfg.head_dim * 2 + length / 4 * cfg.index_head_dim * 2
+        elif r:
+            kv += length / r * cfg.head_dim * 2
+    return non_expert / tp + cfg.n_layers * active * expert / ep + batch * kv
+
+
+def decode_step_seconds(cfg, batch: int, length: int, rates: Rates, tp: int = 1, ep: int = 1) -> float:
+    bw = _interp_log(rates.decode_gbps, batch) * 1e9
+    return _decode_bytes(cfg, batch, length, tp, ep) / bw
+
+
+def _interp_log(table: dict, x: float) -> float:
+    pts = sorted((float(k), float(v)) for k, v in table.items())
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            f = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + f * (y1 - y0)
+    return pts[-1][1]
+
+
+SYNC_DISK_GBPS = 2.0   # assumption: a shared filesystem's write then read per node
+
+
+def sync_seconds(shape: ModelShape, wl: Workload, hw: Hardware, gpus: int) -> float:
+    rl = wl.rl
+    nbytes = _sync_bytes(shape, rl.sync_format)
+    if rl.sync == "inproc":
+        return nbytes / (hw.rates.sync_gbps.get(f"inproc_{rl.sync_format}", 30.0) * 1e9)
+    if rl.sync == "disk":
+        return 2 * nbytes / (SYNC_DISK_GBPS * 1e9)
+    # broadcast from the trainer to the engines: within a node over NVLink, to separate nodes over the network
+    bw = hw.nvlink_gbps if rl.colocated and gpus <= hw.gpus_per_node else hw.ib_gbps
+    return nbytes / (bw * 1e9)
+
+
+def rollout_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware) -> dict:
+    """Seconds of the rollout (prefill + decode) and of the weight sync in one RL step."""
+    rl, R, cfg = wl.rl, hw.rates, shape.cfg
+    if rl.engine == "embedded":
+        engines, tp, ep = max(1, lay.dp), 1, 1
+    else:
+        gpus = lay.world if rl.colocated else rl.rollout_gpus
+        engines, tp, ep = max(1, gpus // max(1, rl.rollout_tp)), rl.rollout_tp, rl.rollout_ep
+    batch = max(1, math.ceil(rl.samples / engines))
+    prompt = max(1, wl.seq_len - rl.response_tokens)
+    decode = sum(decode_step_seconds(cfg, batch, prompt + i, R, tp, ep)
+                 for i in range(0, rl.response_tokens, max(1, rl.response_tokens // 16)))
+    decode *= rl.response_tokens / len(range(0, rl.response_tokens, max(1, rl.response_tokens // 16)))
+    from dsv4.flops import forward_flops_per_token
+    fwd = sum(forward_flops_per_token(cfg, prompt).values())
+    prefill = batch * prompt * fwd / tp / (R.tflops["attention"] * 1e12)
+    return {"rollout decode": decode, "rollout prefill": prefill, "weight sync": sync_seconds(shape, wl, hw, lay.world)}
+
+
+# ================================================================================================ calibration
+def _msgspec_types():
+    import msgspec
+
+    class Row(msgspec.Struct, forbid_unknown_fields=True):
+        gpu: str                                    # HW_GPU_NAME
+        source: str                                 # measured | scaled
+        note: str
+        date: str = ""
+        commit: str = ""
+        records: list[str] = []                     # the bench rows it comes from
+        model: str = "4layer"
+        overrides: list[str] = []
+        seq_len: int = 4096
+        global_batch: int = 8
+        step_s: dict[str, float] = {}               # micro-batch -> measured s/step
+        peak_gib: dict[str, float] = {}             # micro-batch -> measured peak (max_memory_allocated)
+        profile_ms: dict[str, float] = {}           # part -> ms of the profiled step (stepprof.PARTS)
+        grad_accum_ms: float = 0.0                  # the profile's main_grad accumulation, a step
+        sparse_fwd_tflops: float = 0.0
+        sparse_bwd_tflops: float = 0.0
+        decode_ms: dict[str, float] = {}            # batch -> ms a decode step (graph mode)
+        decode_prompt: int = 256
+        sync_gbps: dict[str, float] = {}            # method_format -> GB/s measured
+        scale_from: str = ""                        # source=scaled: the measured row it derives from
+        compute_ratio: float = 1.0                  # GEMM rates x this
+        memory_ratio: float = 1.0                   # memory-bound rates x this
+    return msgspec, Row
+
+
+@functools.lru_cache(maxsize=4)
+def calibration_rows(path: str = str(CALIBRATION_FILE)) -> tuple:
+    msgspec, Row = _msgspec_types()
+    rows = []
+    for no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(msgspec.json.decode(line, type=Row))
+            except msgspec.ValidationError as e:
+                raise ValueError(f"{path}:{no}: {e}") from None
+    return tuple(rows)
+
+
+@functools.lru_cache(maxsize=8)
+def rates_for(gpu: str, path: str = str(CALIBRATION_FILE)) -> Rates | None:
+    """The rates of the GPU whose HW_GPU_NAME is `gpu` (None: no row for it)."""
+    rows = {r.gpu: r for r in calibration_rows(path)}
+    row = rows.get(gpu)
+    if row is None:
+        return None
+    if row.source == "scaled":
+        base = derive_rates(rows[row.scale_from])
+        return replace(base, gpu=row.gpu, source="scaled", note=row.note,
+                       tflops={k: v * row.compute_ratio for k, v in base.tflops.items()},
+                       sparse_fwd_tflops=base.sparse_fwd_tflops * row.compute_ratio,
+                       sparse_bwd_tflops=base.sparse_bwd_tflops * row.compute_ratio,
+                       elementwise_ns=base.elementwise_ns / row.memory_ratio,
+                       grad_accum_s_per_param=base.grad_accum_s_per_param / row.memory_ratio,
+                       optimizer_s_per_param=base.optimizer_s_per_param / row.memory_ratio,
+                       decode_gbps={k: v * row.memory_ratio for k, v in base.decode_gbps.items()},
+                       sync_gbps={k: v * row.memory_ratio for k, v in base.sync_gbps.items()})
+    return derive_rates(row)
+
+
+def derive_rates(row) -> Rates:
+    """Rates from one measured calibration row: the two timed steps (micro-batch 1 and 2 of the same shape), the
+    profile's split of the first, the kernel records, and the two measured peaks.
+
+    The profile's parts are kernel time (the profiler slows the host, which shows as idle, not the kernels); the
+    timed step's remainder over them is idle between kernels. GEMM parts become TFLOP/s over
+    fwd+bwd (3x the model's forward FLOPs of that part); the attention's sparse kernels are taken out of its part at
+    the kernels' own rates first; the indexer (frozen: no backward) over its forward. The micro-batch pair gives a
+    fixed cost per micro-batch (less gradient accumulation, per block); what is left is elementwise work per token
+    and block. Memory: peak(mb) = static + act_scale x inventory(mb) + workspace, two equations, two unknowns."""
+    from dsv4.flops import forward_flops_per_token
+
+    mb1, mb2 = sorted(int(k) for k in row.step_s)[:2]
+    shape = model_shape(row.model, tuple(row.overrides), row.seq_len)
+    cfg = shape.cfg
+    wl = Workload(seq_len=row.seq_len, global_batch=row.global_batch)
+    T = row.global_batch * row.seq_len
+    F = forward_flops_per_token(cfg, row.seq_len)
+    step1 = row.step_s[str(mb1)]
+    part = {k: v / 1000 for k, v in row.profile_ms.items()}                  # kernel time by part, seconds
+    n_blocks = cfg.n_layers
+    # sparse kernels at their records' rates, padded slots
+    sparse = 0.0
+    for b in shape.layers:
+        window = min(cfg.window_size, row.seq_len)
+        K = window + (min(cfg.index_topk, row.seq_len // 4) if b.ratio == 4 else row.seq_len / b.ratio if b.ratio else 0)
+        per = T * cfg.n_heads * math.ceil(K / 64) * 64 * cfg.head_dim
+        sparse += 4 * per / (row.sparse_fwd_tflops * 1e12) + 10 * per / (row.sparse_bwd_tflops * 1e12)
+    tflops = {
+        "head": 3 * F["lm head"] * T / part["LM head and loss"] / 1e12,
+        "attention": 3 * F["attention projections"] * T / max(part["attention"] - sparse, 1e-9) / 1e12,
+        "experts": 3 * (F["routed experts"] + F["shared expert"] + F.get("router", 0)) * T / part["expert GEMMs"] / 1e12,
+        "compressors": 3 * F["compressors"] * T / part["compressors"] / 1e12,
+        "indexer": F["indexer"] * T / part["indexer"] / 1e12,
+    }
+    M1, M2 = row.global_batch // mb1, row.global_batch // mb2
+    per_mb = (step1 - row.step_s[str(mb2)]) / (M1 - M2)
+    lay1 = Layout(micro_batch=mb1)
+    _, _, trained = _param_bytes(stage_params(shape, lay1, 0, wl), lay1, wl, 1, 1)
+    grad_accum = row.grad_accum_ms / 1000 / M1
+    layer_mb = (per_mb - grad_accum) / n_blocks
+    gemm = sum(part[k] for k in ("LM head and loss", "attention", "expert GEMMs", "compressors", "indexer",
+                                 "optimizer"))
+    elementwise = step1 - gemm - per_mb * M1
+    ew_ns = elementwise / (T * n_blocks) / (cfg.dim * cfg.hc_mult / 16384) * 1e9
+    # memory: inventory at the two micro-batches
+    inv = []
+    for mb in (mb1, mb2):
+        m = stage_memory(shape, Layout(micro_batch=mb), wl, None, 0)
+        static = m.parts["weights"] + m.parts["gradients"] + m.parts["optimizer"]
+        inv.append((static, m.total - static))
+    (s1, a1), (s2, a2) = inv
+    p1, p2 = row.peak_gib[str(mb1)], row.peak_gib[str(mb2)]
+    act_scale = (p2 - p1) / (a2 - a1)
+    workspace = p1 - s1 - act_scale * a1
+    # decode: effective bandwidth at the measured batches, from the bytes the step reads
+    decode = {b: _decode_bytes(cfg, int(b), row.decode_prompt) / (ms / 1000) / 1e9 for b, ms in row.decode_ms.items()}
+    rates = Rates(row.gpu, "measured", row.note, tflops, row.sparse_fwd_tflops, row.sparse_bwd_tflops, ew_ns,
+                  layer_mb, grad_accum / trained, part["optimizer"] / trained, act_scale, workspace, decode,
+                  dict(row.sync_gbps), {})
+    # the fit's own check, at the calibration shape: the model must give back what it was fitted to
+    hw = Hardware("calibration", row.gpu, 1000.0, 0.0, 1, 1.0, 1.0, rates=rates)
+    check = {}
+    for mb in (mb1, mb2):
+        p = predict(shape, Layout(micro_batch=mb), wl, hw)
+        check[str(mb)] = {"step_s": p.step_s, "measured_step_s": row.step_s[str(mb)], "peak_gib": p.peak_gib,
+                          "measured_peak_gib": row.peak_gib[str(mb)]}
+    return replace(rates, calibration=check)
+
+
+# ================================================================================================ from the config
+ASSUMED = {
+    "HW_NVLINK_GBPS": "hw file: per-GPU bus bandwidth of NCCL collectives inside a node",
+    "HW_IB_GBPS": "hw file: per-GPU network bandwidth across nodes",
+}
+
+
+def hardware_from_config(cfg, gpus_per_node: int | None = None) -> Hardware:
+    v = cfg.values
+    gpu = v.get("HW_GPU_NAME", "")
+    rates = rates_for(gpu) if gpu else None
+    assumptions = []
+    if rates and rates.source == "scaled":
+        assumptions.append(f"{gpu} step rates: {rates.note}")
+    assumptions.append(f"NVLink {v.get('HW_NVLINK_GBPS', 0):g} GB/s a GPU ({cfg.origin('HW_NVLINK_GBPS').where})")
+    assumptions.append(f"network {v.get('HW_IB_GBPS', 0):g} GB/s a GPU ({cfg.origin('HW_IB_GBPS').where})")
+    return Hardware(cfg.selection.hw, gpu, float(v.get("HW_GPU_MEMORY_GB", 0) or 0), float(v.get("HW_PEAK_TFLOPS", 0)),
+                    gpus_per_node or int(v["V4_NUM_GPUS_PER_NODE"]), float(v.get("HW_NVLINK_GBPS", 0) or 1),
+                    float(v.get("HW_IB_GBPS", 0) or 1), float(v.get("HW_HBM_GBPS", 0) or 0), rates,
+                    assumptions=tuple(assumptions))
+
+
+def workload_from_config(cfg) -> Workload:
+    from dsv4.config import parse_overrides
+    v = cfg.values
+    impl = v["PRESET_ATTN_IMPL"]
+    if impl == "auto":
+        impl = "tilelang" if v["HW_DEVICE"] == "cuda" else "torch"
+    overrides = parse_overrides(*v["PRESET_MODEL_OVERRIDES"])
+    rl = None
+    if v["PRESET_MODE"] == "rl":
+        samples = v["PRESET_RL_PROMPTS_PER_STEP"] * v["PRESET_RL_GROUP_SIZE"]
+        response = v["PRESET_RL_MAX_NEW_TOKENS"] or max(1, v["PRESET_SEQ_LEN"] // 2)
+        sync = v["PRESET_RL_SYNC"]
+        engine = v["V4_ROLLOUT_ENGINE"]
+        if sync == "auto":
+            sync = "inproc" if engine == "embedded" else "broadcast"
+        separate = [n for n in v["V4_ROLLOUT_NODES"] if n not in cfg.nodes[:1]] if v["V4_ROLLOUT_NODES"] else []
+        rl = RLWorkload(samples, response, max(1, v["PRESET_RL_MINIBATCHES"]), engine, not separate,
+                        len(separate) * v["V4_NUM_GPUS_PER_NODE"], v["V4_ROLLOUT_TP"], v["V4_ROLLOUT_EP"],
+                        v["V4_ROLLOUT_MEM_FRACTION"], sync, v["PRESET_RL_SYNC_FORMAT"])
+    return Workload(seq_len=v["PRESET_SEQ_LEN"], global_batch=v["PRESET_GLOBAL_BATCH_SIZE"],
+                    recompute=v["HW_RECOMPUTE_GRANULARITY"] if v["HW_RECOMPUTE_GRANULARITY"] in ("none", "full")
+                    else "none",
+                    mtp=bool(v["PRESET_MTP_LOSS_COEFF"]), indexer_loss=float(overrides.get("indexer_loss_coeff", 0)) > 0,
+                    attn_impl=impl, rl=rl)
+
+
+def layout_from_config(cfg, stages: list[int] | None) -> Layout:
+    v, d = cfg.values, cfg.derived
+    tp, pp, cp = v["PRESET_TP"], v["PRESET_PP"], v["PRESET_CP"]
+    world = d["WORLD_SIZE"].value if "WORLD_SIZE" in d else tp * pp * cp
+    dp = max(1, world // (tp * pp * cp))
+    return Layout(tp, pp, cp, v["PRESET_EP"], v["PRESET_ETP"], dp, tuple(stages or ()), v["PRESET_MICRO_BATCH_SIZE"])
+
+
+def predict_config(cfg, stages: list[int] | None = None) -> Prediction:
+    """The prediction for a resolved configuration's own layout (config validate, the dry-run plan, the B0 gates)."""
+    v = cfg.values
+    shape = model_shape(v["PRESET_MODEL"], tuple(v["PRESET_MODEL_OVERRIDES"]), v["PRESET_SEQ_LEN"])
+    if stages is None and "PP_STAGE_LAYERS" in cfg.derived:
+        stages = cfg.derived["PP_STAGE_LAYERS"].value
+    per_node = v["PRESET_GPUS_PER_NODE"] or v["V4_NUM_GPUS_PER_NODE"]
+    return predict(shape, layout_from_config(cfg, stages), workload_from_config(cfg), hardware_from_config(cfg, per_node))
+
+
+# ================================================================================================ enumeration
+@dataclass
+class Rejected:
+    layout: Layout | None              # None: every layout of `scope`
+    reasons: list
+    scope: str = ""
+    peak_gib: float | None = None      # memory rejections: the predicted peak
+
+    @property
+    def category(self) -> str:
+        return self.reasons[0].split(":", 1)[0]
+
+    def name(self) -> str:
+        return self.scope or self.layout.name()
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout.to_json() if self.layout else None, "scope": self.scope or None,
+                "category": self.category, "reasons": self.reasons,
+                "peak_gib": None if self.peak_gib is None else round(self.peak_gib, 1)}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(shape: ModelShape, wl: Workload, hw: Hardware, gpus: int,
+                      micro_batches: tuple[int, ...] = (1, 2, 4, 8), schedules: tuple[str, ...] = ("1f1b",),
+                      tps: tuple[int, ...] = (1, 2, 4, 8, 16),
+                      cps: tuple[int, ...] = (1, 2, 4, 8, 16)) -> tuple[list[Prediction], list[Rejected]]:
+    """Every TP x PP x CP x EP x ETP x micro-batch (x interleaving) layout of `gpus` GPUs: the feasible ones predicted
+    and ranked by tokens/s a GPU (lowest peak memory where the GPU has no rates), the others with their reasons (a
+    reason that holds for a whole TP or CP value is given once, for all its layouts)."""
+    cfg = shape.cfg
+    feasible, rejected = [], []
+    ctx: dict = {}
+    layer_flops = sum(f for _, f, _ in shape.layers[-1].flops)
+    head_layers = shape.head_flops / layer_flops if layer_flops else 1.0
+    probe = replace(wl, rl=None) if wl.rl else wl
+    for tp in (t for t in tps if t <= gpus and gpus % t == 0):
+        why = layout_problems(shape, Layout(tp=tp, dp=cfg.n_routed_experts * tp), probe, hw.gpus_per_node)
+        why = [w for w in why if not w.startswith(("SP:", "batch:", "layers/PP"))]
+        if why:
+            rejected.append(Rejected(None, why, f"TP={tp} (every PP, CP, EP, micro-batch)"))
+            continue
+        for cp in (c for c in cps if gpus % (tp * c) == 0):
+            why = [w for w in layout_problems(shape, Layout(tp=tp, cp=cp, dp=cfg.n_routed_experts), wl,
+                                              hw.gpus_per_node) if w.startswith(("CP:", "SP:"))]
+            if why:
+                rejected.append(Rejected(None, why, f"TP={tp} CP={cp} (every PP, EP, micro-batch)"))
+                continue
+            for pp in _divisors(gpus // (tp * cp)):
+                if pp > cfg.n_layers:
+                    continue
+                dp = gpus // (tp * cp * pp)
+                for vpp in ((1, 2) if "interleaved" in schedules and pp > 1 else (1,)):
+                    if vpp == 1 and "1f1b" not in schedules:
+                        continue
+                    stages = split_layers(cfg.n_layers, pp, cfg.n_hash_layers, head_layers, vpp)
+                    for ep in _divisors(cfg.n_routed_experts):
+                        for etp in sorted({1, tp}):
+                            if (dp * cp * tp) % (ep * etp):
+                                if etp == 1:
+                                    rejected.append(Rejected(None, [
+                                        f"expert grid: EP*ETP={ep}*{etp} must divide DP*CP*TP={dp}*{cp}*{tp} "
+                                        "(megatron's expert grid)"], f"TP{tp} PP{pp} CP{cp} EP{ep} DP{dp} (every "
+                                        "micro-batch)"))
+                                continue
+                            for mb in micro_batches:
+                                lay = Layout(tp, pp, cp, ep, etp, dp, stages, mb, vpp)
+                                why = layout_problems(shape, lay, wl, hw.gpus_per_node)
+                                if why:
+                                    rejected.append(Rejected(lay, why))
+                                    continue
+                                p = predict(shape, lay, wl, hw, ctx, time_if_oom=False)
+                                if p.fits:
+                                    feasible.append(p)
+                                else:
+                                    rejected.append(Rejected(lay, [p.overflow], peak_gib=p.peak_gib))
+    if hw.rates:
+        feasible.sort(key=lambda p: -(p.tokens_per_s_gpu or 0))
+    else:
+        feasible.sort(key=lambda p: p.peak_gib)
+    return feasible, rejected
+
+
+# ================================================================================================ validation
+VALIDATION_FILE = ROOT / "benchmarks" / "records" / "plan_validation.jsonl"
+
+
+def _validation_types():
+    import msgspec
+
+    class Case(msgspec.Struct, forbid_unknown_fields=True):
+        name: str
+        source: str                        # fit | measured | gap | recipe | oom
+        hw: str
+        model: str
+        seq_len: int
+        global_batch: int
+        layout: dict
+        command: str
+        note: str
+        date: str = ""
+        commit: str = ""
+        overrides: list[str] = []
+        workload: dict = {}
+        rl: dict | None = None
+        measured: dict[str, float] = {}
+        relative_to: dict | None = None    # {"layout": {...}, "measured": {...}}: compare ratios to that run
+        expect: str = ""                   # fits | oom | rejected
+        gpu_memory_gb: float = 0.0
+        quantity: str = ""
+    return msgspec, Case
+
+
+def validation_cases(path: str = str(VALIDATION_FILE)) -> list:
+    msgspec, Case = _validation_types()
+    out = []
+    for no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(msgspec.json.decode(line, type=Case))
+            except msgspec.ValidationError as e:
+                raise ValueError(f"{path}:{no}: {e}") from None
+    return out
+
+
+def _case_hardware(case, world: int) -> Hardware:
+    from launcher.config import Selection, load
+    sets = (f"HW_GPU_MEMORY_GB={case.gpu_memory_gb:g}",) if case.gpu_memory_gb else ()
+    cfg = load(Selection(hw=case.hw, sets=sets, environ={}))
+    return hardware_from_config(cfg, gpus_per_node=min(8, max(1, world)))
+
+
+def _case_layout(shape: ModelShape, d: dict) -> Layout:
+    lay = Layout(**{k: v for k, v in d.items() if k in ("tp", "pp", "cp", "ep", "etp", "dp", "micro_batch", "vpp")})
+    if "stages" in d:
+        lay = replace(lay, stages=tuple(d["stages"]))
+    elif lay.pp > 1 and "first" not in d:
+        lay = replace(lay, stages=split_layers(shape.cfg.n_layers, lay.pp, shape.cfg.n_hash_layers))
+    return lay
+
+
+def case_prediction(case) -> tuple[Prediction | None, list[str]]:
+    """The model's prediction for one validation case, and the reasons its layout cannot run (if any)."""
+    shape = model_shape(case.model, tuple(case.overrides), case.seq_len)
+    if "first" in case.layout:
+        from launcher.config.checks import pipeline_split
+        try:
+            stages = pipeline_split(shape.cfg.n_layers, case.layout["pp"], case.layout["first"], case.layout["last"], "")
+        except ValueError as e:
+            return None, [f"layers/PP split: {e}"]
+        lay = replace(_case_layout(shape, {k: v for k, v in case.layout.items() if k not in ("first", "last")}),
+                      stages=tuple(stages))
+    else:
+        lay = _case_layout(shape, case.layout)
+    rl = RLWorkload(**case.rl) if case.rl else None
+    wl = Workload(seq_len=case.seq_len, global_batch=case.global_batch, rl=rl, **case.workload)
+    hw = _case_hardware(case, lay.world)
+    problems = layout_problems(shape, lay, wl, hw.gpus_per_node)
+    return predict(shape, lay, wl, hw), problems
+
+
+def _quantity(p: Prediction, key: str) -> float | None:
+    return {"peak_gib": p.peak_gib, "step_s": p.step_s, "weights_gib": p.memory.parts.get("weights")}.get(key)
+
+
+def validation_table(path: str = str(VALIDATION_FILE)) -> list[dict]:
+    """One row per case and quantity: measured, predicted, relative error, and the verdict against
+    MODEL_TOLERANCE (memory +-10 %, step time +-15 %); ratio cases compare predicted and measured ratios to a
+    reference run of the same code, which cancels what changed in the code since."""
+    rows = []
+    for case in validation_cases(path):
+        p, problems = case_prediction(case)
+        src = " ".join(x for x in (case.date, case.commit) if x) or case.source
+        base = {"name": case.name, "source": src, "kind": case.source, "command": case.command, "note": case.note}
+        if case.source in ("recipe", "oom"):
+            if case.expect == "rejected" or p is None:
+                ok = p is None or bool(problems)
+                verdict = ("rejected: " + "; ".join(problems)) if ok else "NOT rejected"
+                rows.append({**base, "quantity": "layout", "measured": None, "predicted": None, "error": None,
+                             "verdict": verdict, "ok": ok})
+                continue
+            if case.quantity == "weights":
+                m, q = case.measured["weights_gib"], p.memory.parts["weights"]
+                err = q / m - 1
+                rows.append({**base, "quantity": "weights GiB", "measured": m, "predicted": q, "error": err,
+                             "verdict": ("within" if abs(err) <= MODEL_TOLERANCE["memory"] else "OUTSIDE")
+                             + f" +-{MODEL_TOLERANCE['memory']:.0%}", "ok": abs(err) <= MODEL_TOLERANCE["memory"]})
+            feasible = p.fits and not problems
+            if case.expect == "fits":
+                verdict = (f"feasible: {p.peak_gib:.1f} of {p.usable_gib:.1f} GiB" if feasible else
+                           "NOT feasible: " + "; ".join(problems + [p.overflow]))
+                ok = feasible
+            else:
+                verdict = ("flagged: " + (p.overflow or "; ".join(problems))) if not feasible else "NOT flagged"
+                ok = not feasible
+            rows.append({**base, "quantity": "peak GiB", "measured": None, "predicted": p.peak_gib, "error": None,
+                         "verdict": verdict, "ok": ok})
+            continue
+        ref = None
+        if case.relative_to:
+            import msgspec
+            ref = case_prediction(msgspec.structs.replace(case, layout=case.relative_to["layout"],
+                                                          relative_to=None))[0]
+        for key, label, tol in (("peak_gib", "peak GiB", MODEL_TOLERANCE["memory"]),
+                                ("step_s", "s/step", MODEL_TOLERANCE["step_time"])):
+            pred = _quantity(p, key)
+            meas = case.measured.get(key)
+            if case.source == "gap":
+                rows.append({**base, "quantity": label, "measured": None, "predicted": pred, "error": None,
+                             "verdict": "GAP: to measure on the H200", "ok": None})
+                continue
+            if meas is None or pred is None:
+                continue
+            if ref is not None:
+                m_ref, p_ref = case.relative_to["measured"][key], _quantity(ref, key)
+                err = (pred / p_ref) / (meas / m_ref) - 1
+                label = f"{label} ratio"
+                meas, pred = meas / m_ref, pred / p_ref
+            else:
+                err = pred / meas - 1
+            if case.source == "fit":
+                verdict, ok = "fit (calibration input)", abs(err) < 1e-6
+            else:
+                ok = abs(err) <= tol
+                verdict = ("within" if ok else "OUTSIDE") + f" +-{tol:.0%}"
+            rows.append({**base, "quantity": label, "measured": meas, "predicted": pred, "error": err,
+                         "verdict": verdict, "ok": ok})
+    return rows
