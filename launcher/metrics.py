@@ -60,6 +60,12 @@ class MetricsRow(BaseModel):
     samples: int | None = None
     kl: float | None = None
     tis_mean: float | None = None
+    # where an RL step's time went (dsv4/rl/loop.py STEP_PARTS), summing to step_time_s
+    time_rollout_s: float | None = None
+    time_logprob_s: float | None = None
+    time_train_s: float | None = None
+    time_sync_s: float | None = None
+    time_wait_s: float | None = None
 
 
 @dataclass
@@ -78,6 +84,7 @@ class MetricsFile:
     rows: list[dict] = field(default_factory=list)       # one per step, in step order
     bad: list[BadLine] = field(default_factory=list)
     exists: bool = False
+    error: str = ""                                      # the file is there but could not be read at all
 
     @property
     def steps(self) -> list[int]:
@@ -85,6 +92,8 @@ class MetricsFile:
 
     def bad_summary(self, most: int = 3) -> str:
         """"2 malformed lines: PATH:4: not JSON (...); PATH:7: step: ..." (the first `most` of them)."""
+        if self.error:
+            return self.error
         if not self.bad:
             return ""
         shown = "; ".join(map(str, self.bad[:most])) + ("; ..." if len(self.bad) > most else "")
@@ -128,6 +137,9 @@ def read(run_dir: Path) -> MetricsFile:
     try:
         data = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
+        return out
+    except OSError as e:                  # a directory, no permission
+        out.exists, out.error = True, f"cannot be read ({e.strerror or e})"
         return out
     out.exists = True
     by_step: dict[int, dict] = {}

@@ -225,7 +225,7 @@ def captured(tmp_path_factory):
     work = tmp_path_factory.mktemp("nancap")
     run = planted_run(work, "layers.1.ffn:3@bf16", "PRESET_MODEL_OVERRIDES=dtype=bf16")
     got = metrics.read(run)
-    assert not got.bad and got.steps == [1, 2]
+    assert not got.bad and got.steps == [1, 2] and set(got.rows[0]) <= set(metrics.MetricsRow.model_fields)
     return work, run
 
 

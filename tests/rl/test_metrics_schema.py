@@ -23,7 +23,8 @@ def test_rl_rows_are_rows_of_the_schema(tmp_path):
     got = metrics.read(run)
     assert not got.bad and got.steps == [1, 2, 3]
     declared = set(metrics.MetricsRow.model_fields)
-    assert set(rows[0]) <= declared, set(rows[0]) - declared        # every key the loop writes is declared
+    # every key the loop writes is declared, with its type
+    assert set(rows[0]) <= declared, f"declare {set(rows[0]) - declared} in launcher/metrics.py MetricsRow"
     assert got.rows == rows
     assert compare.run_mode(run, got.rows) == "rl"
     # a row of the right keys but a wrong type is a malformed line, with its file:line
