@@ -446,16 +446,16 @@ def _status(cfg, nodes: list[Node], procs: bool) -> ClusterStatus:
 
 def left_running(cfg) -> dict:
     """What stays up after a run: the cluster's Ray, its addresses, and on this machine (V4_TRANSPORT=local) how many
-    processes it runs and their memory. Runs leave it up (the next starts at once; another run of this checkout may be
+    processes it runs and the memory they hold (PSS). Runs leave it up (the next starts at once; another run of this checkout may be
     using it); `v4 cluster down` stops it."""
     out = {"cluster": str(cfg["V4_CLUSTER_NAME"]), "nodes": len(cfg.nodes), "gcs": gcs_address(cfg),
            "dashboard": dashboard_url(cfg), "client_server": f"{cfg['V4_MASTER_IP']}:{cfg['V4_RAY_CLIENT_PORT']}",
-           "processes": None, "rss_mb": None}
+           "processes": None, "memory_mb": None}
     if cfg["V4_TRANSPORT"] == "local" and not cfg.get("V4_CONTAINER"):
         from launcher.node_scripts import ray_procs
         fp = ray_procs.footprint(ray_state_dir(cfg, cfg.nodes[0]))
         if fp["recorded"]:
-            out.update(processes=fp["procs"], rss_mb=round(fp["rss_kb"] / 1024))
+            out.update(processes=fp["procs"], memory_mb=round(fp["mem_kb"] / 1024))
     return out
 
 

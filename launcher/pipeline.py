@@ -587,7 +587,7 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
         f"{fmt(summary['step_time_s'], '.2f')} s/step, {fmt(summary['tokens_per_s'], '.0f')} tokens/s{speed}, "
         f"peak {fmt(summary['peak_mem_gb'], '.2f')} GB")
     if ray:
-        size = "" if ray["processes"] is None else f"; {ray['processes']} processes, {ray['rss_mb']} MB here"
+        size = "" if ray["processes"] is None else f"; {ray['processes']} processes, {ray['memory_mb']} MB here"
         say(f"Ray stays up for later runs: cluster {ray['cluster']} ({ray['nodes']} node(s)), GCS {ray['gcs']}, "
             f"dashboard {ray['dashboard']}, client server {ray['client_server']}{size}")
         say(f"  stop it: {ray['down']}")

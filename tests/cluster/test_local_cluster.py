@@ -143,6 +143,37 @@ def test_a_resumed_step_follows_the_ray_job_its_launcher_left_running(local_cfg,
     assert "finished" in run.step_log("work").read_text()
 
 
+def test_a_passed_run_says_ray_stays_up_and_how_to_stop_it(local_cfg, capsys):
+    """Ray outlives a run on purpose (it is the checkout's cluster, another run may be using it, and the next one
+    starts at once), and the summary says so: its ports, what it holds on this machine, the command that stops it."""
+    import shlex
+
+    from launcher import pipeline
+    from launcher.plan import Plan
+    assert cluster.status(local_cfg).healthy
+    run = registry.create_run(local_cfg, prefix="t", argv=["test"])
+    (run.dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.5, "step_time_s": 0.5}) + "\n")
+    plan = Plan(run_id=run.id, run_dir=str(run.dir), selection={}, dashboard=cluster.dashboard_url(local_cfg),
+                executor="ray", steps=[])
+    pipeline._summary(local_cfg, run, plan, 1.0, as_json=True)
+    out, err = capsys.readouterr()
+    left = json.loads(out)["ray_left_running"]
+    assert json.loads((run.dir / "summary.json").read_text())["ray_left_running"] == left
+    gcs, dash, client = (local_cfg[k] for k in ("V4_RAY_PORT", "V4_DASHBOARD_PORT", "V4_RAY_CLIENT_PORT"))
+    assert (left["gcs"], left["dashboard"], left["client_server"]) == (
+        f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}", f"127.0.0.1:{client}")
+    assert left["processes"] >= 5 and left["memory_mb"] > 50, left       # raylet, gcs_server, dashboard, ...
+    assert (f"Ray stays up for later runs: cluster local (1 node(s)), GCS 127.0.0.1:{gcs}, dashboard "
+            f"http://127.0.0.1:{dash}, client server 127.0.0.1:{client}; {left['processes']} processes, "
+            f"{left['memory_mb']} MB here\n  stop it: {left['down']}\n") in err
+    # the printed command finds this very cluster (asked with `status`: the module's last test stops it)
+    argv = shlex.split(left["down"])
+    assert argv[:3] == ["v4", "cluster", "down"]
+    r = subprocess.run([sys.executable, "-m", "launcher", "cluster", "status", "--json", *argv[3:]], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and json.loads(r.stdout)["gcs"] == f"127.0.0.1:{gcs}", r.stderr
+
+
 def test_local_down_scoped_and_complete(local_cfg):
     # Another cluster sharing V4_LOCAL_DIR (another port) sees nothing of ours and stops nothing.
     other = resolve(Selection(cluster="local", hw="cpu", sets=(*local_cfg.selection.sets, f"V4_RAY_PORT={free_port()}")))
