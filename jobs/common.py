@@ -60,7 +60,7 @@ class RunContext:
     def write_metrics(self, row: dict) -> None:
         """One step's row: a line of metrics.jsonl, the same numbers as TensorBoard scalars under RUN/tb
         (`tensorboard --logdir V4_OUT` shows every run) and, where V4_WANDB_PROJECT names a project, as a
-        Weights & Biases step."""
+        Weights & Biases step. W&B is a copy: when it fails, training goes on without it (`_wandb_off`)."""
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         scalars = {k: v for k, v in row.items()
@@ -72,7 +72,10 @@ class RunContext:
             writer.flush()
         wb = self._wandb()
         if wb is not None and "step" in row:
-            wb.log(scalars, step=int(row["step"]))
+            try:
+                wb.log(scalars, step=int(row["step"]))
+            except Exception as e:   # noqa: BLE001 - wandb raises its own errors and OSErrors alike
+                self._wandb_off(f"W&B stopped taking this run's metrics at step {row['step']} ({_why(e)})")
 
     def _tensorboard(self):
         if not hasattr(self, "_tb"):
@@ -86,25 +89,60 @@ class RunContext:
     def _wandb(self):
         """The run's W&B run where V4_WANDB_PROJECT is set, created at the first row: id and name the run's
         directory name (a resumed run continues its W&B run), config the run's PRESET_/HW_ values. The API key
-        comes from the environment (WANDB_API_KEY), never from a config file; V4_WANDB_MODE=offline keeps it
-        under RUN/wandb for a later `wandb sync`. Where wandb is not installed the metrics still reach
-        metrics.jsonl and TensorBoard, with one warning."""
+        comes from the environment (WANDB_API_KEY) or ~/.netrc, never from a config file; V4_WANDB_MODE=offline
+        keeps it under RUN/wandb for a later `wandb sync`. V4_WANDB_TIMEOUT bounds wandb.init (W&B's own default
+        waits 90 s for an unreachable server) and the upload at exit (W&B's waits for ever). Where wandb is not
+        installed or does not start, the metrics still reach metrics.jsonl and TensorBoard, with one warning."""
         if not hasattr(self, "_wb"):
             self._wb = None
-            project = self.cfg.get("V4_WANDB_PROJECT")
-            if project:
-                try:
-                    import wandb
-                except ImportError:
-                    log(f"warning: V4_WANDB_PROJECT={project} but wandb is not installed here "
-                        f"(pip install 'v4-launcher[wandb]'); metrics go to metrics.jsonl and TensorBoard only")
-                    return None
-                run_id = re.sub(r"[^A-Za-z0-9_-]", "-", self.run_dir.name)[:64]
-                self._wb = wandb.init(project=project, id=run_id, name=self.run_dir.name, resume="allow",
-                                      dir=str(self.run_dir), mode=self.cfg.get("V4_WANDB_MODE") or "online",
-                                      config={k: v for k, v in self.cfg.items() if k.startswith(("PRESET_", "HW_"))})
-                atexit.register(self._wb.finish)
+            if self.cfg.get("V4_WANDB_PROJECT"):
+                self._wb = self._wandb_init(self.cfg["V4_WANDB_PROJECT"])
         return self._wb
+
+    def _wandb_init(self, project: str):
+        try:
+            import wandb
+        except ImportError:
+            log(f"warning: V4_WANDB_PROJECT={project} but wandb is not installed here "
+                f"(pip install 'v4-launcher[wandb]'); metrics go to metrics.jsonl and TensorBoard only")
+            return None
+        timeout = float(self.cfg.get("V4_WANDB_TIMEOUT") or 30)
+        settings = {"init_timeout": timeout, "finish_timeout": timeout}
+        if self.cfg.get("V4_WANDB_BASE_URL"):
+            settings["base_url"] = self.cfg["V4_WANDB_BASE_URL"]
+        run_id = re.sub(r"[^A-Za-z0-9_-]", "-", self.run_dir.name)[:64]
+        try:
+            run = wandb.init(project=project, id=run_id, name=self.run_dir.name, resume="allow",
+                             dir=str(self.run_dir), mode=self.cfg.get("V4_WANDB_MODE") or "online",
+                             config={k: v for k, v in self.cfg.items() if k.startswith(("PRESET_", "HW_"))},
+                             settings=wandb.Settings(**settings))
+        except Exception as e:   # noqa: BLE001 - no key (UsageError), no server (CommError), a bad setting, ...
+            self._wandb_off(f"the W&B run for project {project} did not start ({_why(e)})")
+            return None
+        atexit.register(self._wandb_finish, run)
+        return run
+
+    def _wandb_off(self, what: str) -> None:
+        """Say once why W&B stopped, and use it no more in this process: it only copies metrics.jsonl."""
+        self._wb = None
+        log(f"warning: {what}; training goes on, its metrics to {self.metrics_path} and TensorBoard only "
+            f"(`v4 preflight --only wandb` checks the key and the server; V4_WANDB_MODE=offline keeps a run under "
+            f"{self.run_dir / 'wandb'} for `wandb sync`)")
+        try:
+            import wandb
+            # stops its service now: left to wandb's own exit hook, a broken service prints a traceback there
+            wandb.teardown()
+        except Exception:   # noqa: BLE001 - the failure was just reported
+            pass
+
+    def _wandb_finish(self, run) -> None:
+        if self._wb is not run:                 # turned off after a failure
+            return
+        try:
+            run.finish()
+        except Exception as e:   # noqa: BLE001
+            log(f"warning: the W&B run did not finish ({_why(e)}); what it holds is under {self.run_dir / 'wandb'} "
+                "(`wandb sync` uploads it)")
 
     @property
     def paths(self) -> "Paths":
@@ -208,6 +246,12 @@ def fingerprint(path: Path) -> str:
 
 def _jsonable(d: dict) -> dict:
     return json.loads(json.dumps(d, default=str))
+
+
+def _why(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
 
 
 def log(msg: str) -> None:

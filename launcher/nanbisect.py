@@ -231,17 +231,21 @@ class Ladder:
             return [f.result() for f in futs]
 
 
+class BadRun(ValueError):
+    """The run directory's own files (config.json) cannot be read: nothing to replay."""
+
+
 def run_values(run_dir: Path) -> dict:
-    """The run's resolved configuration (config.json's values); ValueError where it cannot be read."""
+    """The run's resolved configuration (config.json's values); BadRun where it cannot be read."""
     path = run_dir / "config.json"
     try:
         values = json.loads(path.read_bytes().decode("utf-8"))["values"]
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a run directory of this tool") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} cannot be read as a run's configuration ({type(e).__name__}: {e})") from None
+        raise BadRun(f"{path} cannot be read as a run's configuration ({type(e).__name__}: {e})") from None
     if not isinstance(values, dict):
-        raise ValueError(f"{path}: its values are not an object")
+        raise BadRun(f"{path}: its values are not an object")
     return values
 
 
@@ -251,7 +255,7 @@ def bisect(run_dir: Path, out: Path, parallel: int = 0, timeout: float = 1800.0,
     """`cluster_cfg`: the launcher's configuration of the run's cluster; with the Ray executor the rungs are Ray
     jobs there. `memory_gb`: what one device holds, for the one-process rung (default: the run's
     HW_GPU_MEMORY_GB). `allow_changed_data`: go on where the replayed rows are not the captured ones.
-    FileNotFoundError or ValueError (jobs.nan_capture.CaptureError among them): nothing to replay."""
+    FileNotFoundError, BadRun or jobs.nan_capture.CaptureError: nothing to replay."""
     from jobs.nan_capture import load_capture
     from jobs.train_sft import world_size
     t0 = time.perf_counter()

@@ -94,6 +94,7 @@ def bisect_run(selection, run_ref, parallel, timeout, no_kernel, device_memory_g
     from dataclasses import asdict
     from pathlib import Path
 
+    from jobs.nan_capture import CaptureError
     from launcher import nanbisect, registry
     cfg = load_config(selection)
     run = registry.find_run(cfg, run_ref)
@@ -102,7 +103,7 @@ def bisect_run(selection, run_ref, parallel, timeout, no_kernel, device_memory_g
         report = nanbisect.bisect(run.dir, out, parallel=parallel, timeout=timeout, kernel=not no_kernel,
                                   log=lambda m: click.echo(m, err=True), cluster_cfg=cfg,
                                   memory_gb=device_memory_gb, allow_changed_data=allow_changed_data)
-    except (FileNotFoundError, ValueError) as e:          # no capture, or one that is not a capture
+    except (FileNotFoundError, CaptureError, nanbisect.BadRun) as e:     # nothing (usable) to replay
         click.echo(f"error: {e}", err=True)
         sys.exit(nanbisect.USAGE)
     if as_json:

@@ -40,7 +40,7 @@ NON_NEGATIVE_KEYS = ("PRESET_NUM_NODES", "PRESET_GPUS_PER_NODE", "HW_CP_SMOKE_GP
                      "HW_HBM_GBPS", "HW_GPU_PROBE_MIN_FRACTION", "V4_NCCL_MIN_PAIR_BUSBW_GBPS")
 # Timeouts: 0 or less would fail every connection or step at once.
 POSITIVE_SECONDS_KEYS = ("V4_SSH_CONNECT_TIMEOUT", "V4_SSH_COMMAND_TIMEOUT", "V4_RAY_READY_TIMEOUT",
-                         "PRESET_JOB_TIMEOUT", "V4_ROLLOUT_HEALTH_TIMEOUT")
+                         "PRESET_JOB_TIMEOUT", "V4_ROLLOUT_HEALTH_TIMEOUT", "V4_WANDB_TIMEOUT")
 
 # SGLang server flags the launcher renders itself (launcher/rollout.py), with the key that sets each: given again in
 # V4_ROLLOUT_EXTRA_ARGS they would override it behind the launcher's back (argparse keeps the last), e.g. a second

@@ -114,9 +114,14 @@ KEYS: list[Key] = [
     _k("V4_OUT", "path", "${V4_WORK}/runs", "base", "run registry root: one directory per run"),
     _k("V4_WANDB_PROJECT", "str", "", "base",
        "Weights & Biases project that every training run logs its metrics to (empty: off); the key comes from "
-       "WANDB_API_KEY in the environment"),
+       "WANDB_API_KEY or ~/.netrc (`wandb login`) where the training ranks run, never from a config file"),
     _k("V4_WANDB_MODE", "enum", "online", "base",
        "online, or offline: the W&B run stays under RUN/wandb for `wandb sync`", ("online", "offline")),
+    _k("V4_WANDB_BASE_URL", "str", "", "base",
+       "W&B server, e.g. a self-hosted one (empty: WANDB_BASE_URL where the ranks run, else wandb's default)"),
+    _k("V4_WANDB_TIMEOUT", "float", 30, "base",
+       "seconds W&B may take to answer preflight's request, to start the run, and to upload the rest at the end "
+       "(what is left stays under RUN/wandb for `wandb sync`)"),
     _k("V4_HF_DIR", "path", "", "base", "official-layout (FP8/FP4) checkpoint; generated when PRESET_WEIGHTS=generate"),
     _k("V4_BF16_DIR", "path", "", "base", "dequantized BF16 HF checkpoint"),
     _k("V4_TORCH_DIST", "path", "", "base", "Megatron distributed checkpoint converted for training"),

@@ -503,3 +503,50 @@ def inputs(node, ctx):
             return FAIL, f"{i.what}: {i.path} is incomplete (no {i.sentinel})", \
                 i.fix or f"finish writing {i.path} (its sentinel {i.sentinel} is written last)"
     return PASS, f"{len(ctx.inputs)} input(s) complete"
+
+
+@check("wandb", "V4_WANDB_PROJECT set, online: wandb is installed, has an API key and its server answers, on every "
+                "node (the rank that logs the metrics, rank 0, may be placed on any)")
+def wandb_ready(node, ctx):
+    from launcher.preflight.gather import wandb_args
+    cfg = ctx.cfg
+    if not cfg.get("V4_WANDB_PROJECT"):
+        return SKIP, "V4_WANDB_PROJECT is empty: metrics go to metrics.jsonl and TensorBoard"
+    if cfg.get("V4_WANDB_MODE") == "offline":
+        return SKIP, "V4_WANDB_MODE=offline: no key or server needed (the run stays under RUN/wandb for `wandb sync`)"
+    if wandb_args(cfg) is None:
+        return SKIP, "no train step in PRESET_STEPS: nothing logs to W&B"
+    if ctx.on_host(node):
+        return SKIP, _not_in_container(ctx, node)
+    w = ctx.facts[node].get("wandb")
+    if w is None:
+        return SKIP, "not probed"
+    if "version" not in w:
+        return FAIL, w.get("error", "no answer from the probe"), "run `v4 preflight --only wandb` again"
+    python = python_on_nodes(cfg)
+    if not w["version"]:
+        return FAIL, (f"V4_WANDB_PROJECT={cfg['V4_WANDB_PROJECT']} but wandb is not installed for {python}: the run "
+                      "would log to metrics.jsonl and TensorBoard only"), \
+            f"pip install 'v4-launcher[wandb]' into {python} on {node}, or empty V4_WANDB_PROJECT"
+    base, timeout = w["base_url"], float(cfg.get("V4_WANDB_TIMEOUT") or 30)
+    problems, fixes = [], []
+    if not w["key_from"]:
+        problems.append(f"no W&B API key for {base} (looked at {', '.join(w['looked'])})")
+        fixes.append(f"export WANDB_API_KEY where the jobs run (Ray jobs inherit the environment `v4 cluster up` "
+                     f"started Ray with, the local executor the launcher's), or run `wandb login --host {base}` there "
+                     "as the user the jobs run as (it writes ~/.netrc)")
+    if not w["answered"]:
+        if "not an http(s) URL" in w["error"]:
+            problems.append(w["error"] + f" ({w['base_from']})")
+            fixes.append("set V4_WANDB_BASE_URL to the W&B server's http(s) address, e.g. https://api.wandb.ai")
+        else:
+            problems.append(f"the W&B server {base} ({w['base_from']}) did not answer within {timeout:g} s: "
+                            f"{w['error']}")
+            fixes.append("check the address (V4_WANDB_BASE_URL, or WANDB_BASE_URL on the node), the proxy "
+                         f"(V4_HTTP_PROXY) and firewalls, or allow a slow link more (V4_WANDB_TIMEOUT={timeout:g})")
+    if problems:
+        fixes.append("or log offline (V4_WANDB_MODE=offline, `wandb sync RUN/wandb/offline-run-*` later), or empty "
+                     "V4_WANDB_PROJECT")
+        return FAIL, f"wandb {w['version']}: " + "; ".join(problems), "; ".join(fixes)
+    return PASS, (f"wandb {w['version']}; key from {w['key_from']}; {base} answered in {w['seconds']:.2f} s "
+                  f"(HTTP {w['status']})")

@@ -12,7 +12,7 @@ import secrets
 import shlex
 import time
 
-from launcher.cluster import container_state, ray_state_dir
+from launcher.cluster import container_state, ray_state_dir, site_env
 from launcher import rollout
 from launcher.node_scripts import source
 from launcher.nodes import Node, fan_out, node_local_dir, python_on_nodes
@@ -43,8 +43,19 @@ def nccl_args(cfg) -> dict | None:
     return {"gpus": gpus, "bytes": 256 << 20, "iters": 10, "timeout": 90, "backend": "nccl"}
 
 
-def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bool = True) -> Context:
-    """Facts of every node; `measure_nccl`: also time an all-reduce across each node's GPUs (~10-20 s)."""
+def wandb_args(cfg) -> dict | None:
+    """What `node_scripts/wandb_probe.py` asks on each node, or None where a run needs nothing of W&B there
+    (V4_WANDB_PROJECT empty, V4_WANDB_MODE=offline, or no `train` step: only training logs to W&B)."""
+    if not cfg.get("V4_WANDB_PROJECT") or cfg.get("V4_WANDB_MODE") == "offline" \
+            or "train" not in (cfg.get("PRESET_STEPS") or []):
+        return None
+    return {"base_url": str(cfg.get("V4_WANDB_BASE_URL") or ""), "timeout": float(cfg.get("V4_WANDB_TIMEOUT") or 30)}
+
+
+def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bool = True,
+           probe_wandb: bool = True) -> Context:
+    """Facts of every node; `measure_nccl`: also time an all-reduce across each node's GPUs (~10-20 s);
+    `probe_wandb`: also ask W&B's server from each node (at most V4_WANDB_TIMEOUT), where the run logs to it."""
     ctx = Context(cfg=cfg, order=[n.name for n in nodes], inputs=inputs)
     work = str(cfg["V4_WORK"])
     python = python_on_nodes(cfg)
@@ -68,6 +79,9 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bo
     nccl = nccl_args(cfg) if measure_nccl else None
     nccl_cmd = (f"{shlex.quote(python)} - {shlex.quote(json.dumps(nccl))} <<'V4_NCCL'\n{source('nccl_bw')}V4_NCCL\n"
                 if nccl else "")
+    wb = wandb_args(cfg) if probe_wandb else None
+    wandb_cmd = (f"{shlex.quote(python)} - {shlex.quote(json.dumps(wb))} <<'V4_WANDB'\n"
+                 f"{source('wandb_probe')}V4_WANDB\n" if wb else "")
     # the run's own NCCL setting: NVLink SHARP stays off where the hw layer says so
     nccl_env = {"NCCL_NVLS_ENABLE": str(int(bool(cfg.get("HW_NCCL_NVLS_ENABLE"))))}
 
@@ -115,6 +129,12 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bo
                 out["nccl"] = json.loads(r.stdout.strip().splitlines()[-1])
             except (ValueError, IndexError):
                 out["nccl"] = {"gpus": nccl["gpus"], "error": f"rc {r.rc}: {r.tail(4)}"}
+        if wandb_cmd and where != "host":          # the jobs' Python and environment (the proxy too), not the host's
+            try:
+                r = node.run(wandb_cmd, env=site_env(cfg), timeout=wb["timeout"] + 30)
+                out["wandb"] = json.loads(r.stdout.strip().splitlines()[-1])
+            except Exception as e:   # noqa: BLE001 - a failed probe is the wandb check's FAIL, not a lost node
+                out["wandb"] = {"error": f"the probe did not run: {type(e).__name__}: {e}"}
         return out
 
     for name, f in zip(ctx.order, fan_out(nodes, facts,
