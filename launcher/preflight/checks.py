@@ -319,6 +319,178 @@ def nccl(node, ctx):
     return PASS, detail
 
 
+def _gpu_health(node, ctx: Context):
+    """(report, None) or (None, the SKIP/FAIL verdict) for the gpu_health checks."""
+    if not is_cuda(ctx):
+        return None, (SKIP, "HW_DEVICE=cpu: no GPU to measure")
+    if ctx.on_host(node):
+        return None, (SKIP, _not_in_container(ctx, node))
+    h = ctx.facts[node].get("gpu_health")
+    if h is None:
+        return None, (SKIP, "not measured")
+    if h.get("error"):
+        return None, (FAIL, f"the GPU probe did not run: {h['error']}",
+                      "run `python -m launcher.node_scripts.gpu_health` on the node to see why")
+    return h, None
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics
+    return statistics.median(values) if values else None
+
+
+@check("gpu_perf", "each GPU's bf16 GEMM and HBM copy reach HW_GPU_PROBE_MIN_FRACTION of the hw layer's figures "
+                   "(or of the cluster's GPUs' median)")
+def gpu_perf(node, ctx):
+    h, verdict = _gpu_health(node, ctx)
+    if verdict:
+        return verdict
+    if h.get("skipped"):
+        return FAIL, f"the GPU probes were skipped: {h['skipped']}", \
+            "the packages and driver checks above say what is missing; fix that, then `v4 preflight` again"
+    gpus = h["gpus"]
+    broken = [g for g in gpus if g.get("error") or not all(
+        isinstance(g.get(k), (int, float)) and math.isfinite(g[k]) and g[k] > 0 for k in ("gemm_tflops", "hbm_gbps"))]
+    if broken:
+        g = broken[0]
+        return FAIL, f"GPU {g['index']}: the probe failed: {g.get('error') or 'no usable figure'}", \
+            "check the GPU (nvidia-smi -q, dmesg for Xid events); reset it (nvidia-smi -r) or leave this node out"
+    frac = float(ctx.cfg.get("HW_GPU_PROBE_MIN_FRACTION") or 0)
+    parts, slow = [], []
+    for key, what, unit, hw in (("gemm_tflops", "GEMM", "TFLOP/s", "HW_GEMM_TFLOPS"),
+                                ("hbm_gbps", "copy", "GB/s", "HW_HBM_GBPS")):
+        want = float(ctx.cfg.get(hw) or 0)
+        source = hw
+        if not want:
+            everyone = [g[key] for n in ctx.order if (f := ctx.facts.get(n, {}).get("gpu_health")) and not
+                        f.get("error") for g in f.get("gpus", []) if isinstance(g.get(key), (int, float))]
+            want = _median(everyone) if len(everyone) >= 2 else 0
+            source = f"median of the cluster's {len(everyone)} GPUs ({hw} unset)"
+        vals = [g[key] for g in gpus]
+        parts.append(f"{what} {min(vals):.0f}" + (f"-{max(vals):.0f}" if round(max(vals)) > round(min(vals)) else "")
+                     + f" {unit}"
+                     + (f" (expected {want:.0f}: {source})" if want else f" ({hw} unset: not judged)"))
+        slow += [f"GPU {g['index']} {what} {g[key]:.0f} {unit} = {g[key] / want:.0%} of {want:.0f}"
+                 for g in gpus if want and g[key] < frac * want]
+    detail = f"{len(gpus)} GPU(s): " + ", ".join(parts)
+    if slow:
+        return FAIL, detail + f"; under {frac:g} (HW_GPU_PROBE_MIN_FRACTION): " + "; ".join(slow), \
+            ("on the node: nvidia-smi -q -d PERFORMANCE,CLOCK,POWER (throttle reasons, power cap, clocks), "
+             "nvidia-smi -q -d ECC,ROW_REMAPPER; reset or replace the GPU, or leave this node out")
+    return PASS, detail
+
+
+def _flag(value) -> bool:
+    return isinstance(value, int) and value > 0
+
+
+@check("gpu_errors", "no uncorrectable ECC errors, pending page retirements or row remaps, and no hardware Xid "
+                     "events on the node's GPUs (where the driver and the kernel log report them)")
+def gpu_errors(node, ctx):
+    h, verdict = _gpu_health(node, ctx)
+    if verdict:
+        return verdict
+    from launcher.node_scripts.gpu_health import HARDWARE_XIDS
+    fails, warns, notes = [], [], []
+    reported = [e for e in h.get("ecc", []) if any(e.get(k) is not None for k in e if k != "index")]
+    for e in h.get("ecc", []):
+        i = e["index"]
+        if _flag(e.get("uncorrected_volatile")):
+            fails.append(f"GPU {i}: {e['uncorrected_volatile']} uncorrectable ECC error(s) since the driver loaded")
+        if _flag(e.get("remapped_failure")):
+            fails.append(f"GPU {i}: a row remapping failed")
+        if _flag(e.get("remapped_pending")) or _flag(e.get("retired_pending")):
+            fails.append(f"GPU {i}: memory pending remapping/retirement (takes effect at the next GPU reset)")
+        if e.get("mode") == "Disabled":
+            warns.append(f"GPU {i}: ECC is off")
+    if reported:
+        corrected = sum(e.get("corrected_volatile") or 0 for e in reported)
+        notes.append(f"ECC on {len(reported)} GPU(s): 0 uncorrectable, {corrected} corrected" if not fails else "")
+    else:
+        notes.append("ECC counters not reported by the driver")
+    x = h.get("xid", {})
+    hw = [ev for ev in x.get("events", []) if ev["code"] in HARDWARE_XIDS]
+    if not x.get("readable"):
+        notes.append(f"Xid events not checked: the kernel log is not readable ({x.get('error') or 'unknown'})")
+    elif hw:
+        codes = sorted({(ev["gpu"], ev["code"]) for ev in hw}, key=lambda t: (t[0] is None, t))
+        warns.append("hardware Xid events in the kernel log since boot: " + ", ".join(
+            f"{c} on GPU {g}" if g is not None else f"{c} (another GPU)" for g, c in codes)
+            + f" (last: {hw[-1]['line'][-120:]})")
+    else:
+        notes.append(f"no hardware Xid event since boot ({x.get('source')})")
+    note = "; ".join(n for n in notes if n)
+    if fails:
+        return FAIL, "; ".join(fails) + (f"; {note}" if note else ""), \
+            ("drain the node: reset the GPU (nvidia-smi -r, no process on it) to apply pending remaps, and have it "
+             "replaced if uncorrectable errors come back; or leave this node out")
+    if warns:
+        return WARN, "; ".join(warns) + (f"; {note}" if note else ""), \
+            ("an Xid since boot may be old (a reset since fixed it): compare `dmesg -T | grep Xid` times with the "
+             "GPU's last reset; NVIDIA's Xid catalog says what each code means")
+    return PASS, note
+
+
+@check("nccl_pairs", "an all-reduce between the GPUs of each pair of neighbouring nodes sums right, at the fabric's "
+                     "bus bandwidth (V4_NCCL_MIN_PAIR_BUSBW_GBPS; else against the other pairs)")
+def nccl_pairs(node, ctx):
+    from launcher.preflight.probes import pair_args
+    if ctx.pairs is None:
+        if pair_args(ctx.cfg) is None:           # the rule that decides whether gather measures at all
+            return SKIP, "needs HW_DEVICE=cuda and 2 or more nodes"
+        return SKIP, "not measured"
+    mine = [p for p in ctx.pairs if node in p["nodes"]]
+    if not mine:
+        return SKIP, _not_in_container(ctx, node) if ctx.on_host(node) else "in no measured pair"
+    floor = float(ctx.cfg.get("V4_NCCL_MIN_PAIR_BUSBW_GBPS") or 0)
+    good = [p["busbw_gbps"] for p in ctx.pairs if _pair_figure(p)]
+    # a link that fell back from RDMA to TCP sockets measures ten times slower or worse: half the median pair
+    # flags that, and a fabric's usual spread of a few percent does not
+    median = _median(good) if len(good) >= 3 else None
+
+    def judge(p) -> str:
+        if not _pair_figure(p):
+            return "failed"
+        if floor and p["busbw_gbps"] < floor:
+            return "under_floor"
+        if median and p["busbw_gbps"] < 0.5 * median:
+            return "slow"
+        return ""
+
+    def text(p) -> str:
+        other = next(n for n in p["nodes"] if n != node)
+        if not _pair_figure(p):
+            return f"with {other}: failed ({p.get('error') or 'no usable figure'})"
+        return f"with {other}: {p['busbw_gbps']:.0f} GB/s"
+
+    verdicts = [judge(p) for p in mine]
+    detail = f"{mine[0].get('world', '?')} GPUs a pair, {(mine[0].get('bytes') or 0) >> 20} MiB bf16: " + \
+        "; ".join(text(p) for p in mine)
+    fix = ("NCCL_DEBUG=INFO on both nodes says which transport NCCL chose (NET/IB vs NET/Socket) and why; check "
+           "`ibstat` (ports ACTIVE, rate), the cables and switch ports, NCCL_IB_HCA / NCCL_SOCKET_IFNAME, and "
+           "ulimit -l")
+    bad = [v for v in verdicts if v]
+    if not bad:
+        limits = [f"floor {floor:g} GB/s (V4_NCCL_MIN_PAIR_BUSBW_GBPS)" if floor else "",
+                  f"median pair {median:.0f} GB/s" if median else ""]
+        return PASS, detail + "".join(f"; {x}" for x in limits if x)
+    severe = any(v in ("failed", "under_floor") for v in bad)
+    why = (f" (under V4_NCCL_MIN_PAIR_BUSBW_GBPS={floor:g})" if "under_floor" in bad else "") + \
+          (f" (under half the median pair, {median:.0f} GB/s)" if "slow" in bad else "")
+    nodes_in_pairs = {n for p in ctx.pairs for n in p["nodes"]}
+    if len(bad) == len(mine) and (len(mine) >= 2 or len(nodes_in_pairs) == 2):
+        whose = ("every pair with this node: its link is the likely fault" if len(mine) >= 2 else
+                 "the only pair: which of the two nodes is at fault cannot be told from here")
+        return (FAIL if severe else WARN), detail + why + f"; {whose}", fix
+    partners = [next(n for n in p["nodes"] if n != node) for p, v in zip(mine, verdicts) if v]
+    return WARN, detail + why + f"; this node's other pair is fine: look at {', '.join(partners)} first", fix
+
+
+def _pair_figure(p: dict) -> bool:
+    v = p.get("busbw_gbps")
+    return not p.get("error") and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
 @check("ib", "InfiniBand ports are active when V4_EXPECT_IB=1")
 def ib(node, ctx):
     devs = ctx.facts[node]["ib"]

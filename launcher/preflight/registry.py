@@ -42,6 +42,8 @@ class Context:
     # a resumed run: its checkpoints already on disk count toward the room it needs; none if trained
     run_ckpt_gb: float = 0.0
     run_trained: bool = False
+    # nccl_pairs: one all-reduce result a ring pair of nodes (probes.nccl_pairs); None: not measured
+    pairs: list[dict] | None = None
 
     @property
     def head(self) -> str:
