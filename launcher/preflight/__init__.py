@@ -63,7 +63,8 @@ def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None, run=None) -> Resu
     names = select_checks(only, skip)
     inputs = required_inputs(cfg) if inputs is None else list(inputs)
     with opened(cfg, nodes) as nodes:          # SSH connections made here are closed here
-        ctx = gather(cfg, nodes, inputs, measure_nccl="nccl" in names, probe_wandb="wandb" in names)
+        ctx = gather(cfg, nodes, inputs, measure_nccl="nccl" in names, probe_wandb="wandb" in names,
+                     measure_gpu=bool({"gpu_perf", "gpu_errors"} & set(names)), measure_pairs="nccl_pairs" in names)
     if run is not None:
         ctx.run_ckpt_gb = _tree_gb(run.dir / "checkpoints")
         ctx.run_trained = run.step_status("train").get("status") == "done"

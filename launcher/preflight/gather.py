@@ -16,6 +16,7 @@ from launcher.cluster import container_state, ray_state_dir, site_env
 from launcher import rollout
 from launcher.node_scripts import source
 from launcher.nodes import Node, fan_out, node_local_dir, python_on_nodes
+from launcher.preflight import probes
 from launcher.preflight.registry import Context, RequiredInput
 
 # Distributions whose versions must agree across nodes (Python itself is compared too).
@@ -53,7 +54,7 @@ def wandb_args(cfg) -> dict | None:
 
 
 def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bool = True,
-           probe_wandb: bool = True) -> Context:
+           probe_wandb: bool = True, measure_gpu: bool = True, measure_pairs: bool = True) -> Context:
     """Facts of every node; `measure_nccl`: also time an all-reduce across each node's GPUs (~10-20 s);
     `probe_wandb`: also ask W&B's server from each node (at most V4_WANDB_TIMEOUT), where the run logs to it."""
     ctx = Context(cfg=cfg, order=[n.name for n in nodes], inputs=inputs)
@@ -82,6 +83,9 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bo
     wb = wandb_args(cfg) if probe_wandb else None
     wandb_cmd = (f"{shlex.quote(python)} - {shlex.quote(json.dumps(wb))} <<'V4_WANDB'\n"
                  f"{source('wandb_probe')}V4_WANDB\n" if wb else "")
+    # measure_gpu: each GPU's GEMM/copy figures and error counters (~10 s a node); measure_pairs: an all-reduce
+    # between each pair of neighbouring nodes (probes.py: two or three rounds of ~20 s)
+    gpu_args = probes.gpu_health_args(cfg) if measure_gpu else None
     # the run's own NCCL setting: NVLink SHARP stays off where the hw layer says so
     nccl_env = {"NCCL_NVLS_ENABLE": str(int(bool(cfg.get("HW_NCCL_NVLS_ENABLE"))))}
 
@@ -129,6 +133,11 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bo
                 out["nccl"] = json.loads(r.stdout.strip().splitlines()[-1])
             except (ValueError, IndexError):
                 out["nccl"] = {"gpus": nccl["gpus"], "error": f"rc {r.rc}: {r.tail(4)}"}
+        if gpu_args and where != "host":           # needs the image's torch, as the all-reduce does
+            try:
+                out["gpu_health"] = probes.run_gpu_health(node, python, gpu_args)
+            except Exception as e:   # noqa: BLE001 - the gpu checks' FAIL, not a lost node
+                out["gpu_health"] = {"error": f"the probe did not run: {type(e).__name__}: {e}"}
         if wandb_cmd and where != "host":          # the jobs' Python and environment (the proxy too), not the host's
             try:
                 r = node.run(wandb_cmd, env=site_env(cfg), timeout=wb["timeout"] + 30)
@@ -149,6 +158,8 @@ def gather(cfg, nodes: list[Node], inputs: list[RequiredInput], measure_nccl: bo
             ctx.facts[name] = f
             ctx.clock[name] = f["_clock"]
             ctx.ssh_seconds[name] = f["_ssh_s"]
+    if measure_pairs:                              # after every node's own probes: the GPUs are free again
+        ctx.pairs = probes.nccl_pairs(cfg, nodes, ctx, python)
     try:
         head.run(f"rm -f {shlex.quote(token_file)}; rmdir {shlex.quote(token_dir)} 2>/dev/null || true", timeout=30)
     except Exception:   # noqa: BLE001 - best effort cleanup of a tiny file
