@@ -748,6 +748,15 @@ def predict(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: dic
     worst = max(mems, key=lambda m: m.total)
     fits = worst.total <= usable or not hw.memory_gib
     overflow = "" if fits else _overflow(shape, lay, wl, hw, worst, usable)
+    if wl.rl and wl.rl.engine == "sglang" and hw.memory_gib:
+        need, room = sglang_engine_gib(shape, wl), wl.rl.mem_fraction * hw.memory_gib
+        notes.append(f"an SGLang rank needs {need:.1f} GiB of weights and KV cache (TP {wl.rl.rollout_tp}, EP "
+                     f"{wl.rl.rollout_ep}) in its {room:.1f} GiB reservation")
+        if need > room:
+            fits = False
+            overflow = (f"memory, rollout engine weights: an SGLang rank needs {need:.1f} GiB of weights and KV "
+                        f"cache, more than its {room:.1f} GiB (V4_ROLLOUT_MEM_FRACTION={wl.rl.mem_fraction:g}): raise "
+                        "V4_ROLLOUT_TP / V4_ROLLOUT_EP") + ("; " + overflow if overflow else "")
     time: dict[str, float] = {}
     step = tps = mfu = None
     bottleneck = ""
@@ -774,6 +783,15 @@ def predict(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: dic
                       step, tps, mfu, bottleneck, notes, rates)
 
 
+def pipeline_seconds(stage_seconds: list[float], n_micro: int, vpp: int = 1) -> float:
+    """One pass of `n_micro` micro-batches through stages that take `stage_seconds` each a micro-batch (forward +
+    backward). 1F1B: the first micro-batch passes every stage, the others follow at the slowest stage's pace, so
+    uniform stages give (M + PP - 1) t and a bubble of (PP - 1) / (M + PP - 1); interleaving with V virtual stages a
+    rank divides the fill and drain by V: (PP - 1) / (V M + PP - 1)."""
+    slowest = max(stage_seconds)
+    return n_micro * slowest + (sum(stage_seconds) - slowest) / vpp
+
+
 def _step_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: dict | None) -> dict:
     """Seconds a step by part: the pipeline over the slowest stage (1F1B: the first micro-batch passes every stage,
     the rest follow at the slowest stage's pace; interleaving divides the fill and drain by its virtual stages),
@@ -783,7 +801,7 @@ def _step_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: 
     per_stage = [stage_time(shape, lay, wl, hw, s, ctx) for s in range(lay.pp)]
     totals = [sum(p.values()) for p in per_stage]
     slow = max(range(lay.pp), key=lambda s: totals[s])
-    pipe = n_micro * totals[slow] + (sum(totals) - totals[slow]) / lay.vpp
+    pipe = pipeline_seconds(totals, n_micro, lay.vpp)
     time = {k: v * n_micro for k, v in per_stage[slow].items()}
     time["PP bubble"] = pipe - n_micro * totals[slow]
     dp_t, tp_grad = _grad_sync_seconds(shape, lay, wl, hw, slow, ctx)
@@ -815,20 +833,22 @@ def _overflow(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, m: Mem
     if state > usable:
         return (f"memory, state alone: {figures}; weights, gradients and Adam state do not fit before the first "
                 "activation: spread the model wider (EP, PP, TP) or shard the optimizer (dist) / offload it")
-    if opt and m.total - opt <= usable:
+    if rollout and m.total - rollout <= usable:
+        return (f"memory, rollout engine: {figures}; the colocated engine takes {rollout:.1f} GiB: give it its own "
+                "nodes (V4_ROLLOUT_NODES) or a smaller share")
+    also = f"; the colocated engine adds {rollout:.1f} GiB (V4_ROLLOUT_NODES moves it off)" if rollout else ""
+    if opt and m.total - opt - rollout <= usable:
         return (f"memory, Adam state: {figures}; the first step's backward would fit, but the Adam state its "
                 "optimizer step creates overflows the second backward (the DSV4 OOM of radixark/miles#3142): shard "
-                "it (dist) or offload it")
+                f"it (dist) or offload it{also}")
     if dense > 0.25 * usable:
         return (f"memory, dense attention: {figures}; the dense fallback's scores take {dense:.1f} GiB (the OOM of "
-                "verl#6943 with CP > 1): use the sparse kernel")
+                f"verl#6943 with CP > 1): use the sparse kernel{also}")
     if idx > 0.1 * usable:
         return (f"memory, indexer scores: {figures}; the indexer's fp32 [S/CP, S/4] scores take {idx:.1f} GiB a "
-                "layer, which only CP divides (radixark/miles#1766): raise CP")
-    if rollout and m.total - rollout <= usable:
-        return f"memory, rollout engine: {figures}; the colocated engine takes {rollout:.1f} GiB: give it its own nodes"
+                f"layer, which only CP divides (radixark/miles#1766): raise CP{also}")
     return (f"memory, activations: {figures}; fewer micro-batches in flight (more PP stages, smaller micro-batch), "
-            "more CP or TP, or recompute")
+            f"more CP or TP, or recompute{also}")
 
 
 def _grad_sync_seconds(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage: int,
@@ -887,20 +907,27 @@ def kv_bytes_per_sequence(cfg, length: int) -> float:
     return total
 
 
+_SYNC: dict = {}
+
+
+def _sync_items(shape: ModelShape, fmt: str) -> list:
+    """(name, elements, bytes an element) of every weight a sync sends: in the trainer's dtype, or with fmt=fp8 the
+    release's FP8/FP4 linears as e4m3 (1 byte) with a 128x128 block's scale."""
+    key = (shape.name, fmt)
+    if key not in _SYNC:
+        cfg, out = shape.cfg, []
+        for name, s in cfg.param_shapes().items():
+            store = cfg.storage_format(name)
+            if fmt == "fp8" and store in ("fp8", "fp4"):
+                out.append((name, math.prod(s), 1 + 1 / (BLOCK * BLOCK)))
+            else:
+                out.append((name, math.prod(s), 4 if _param_kind(name, cfg)[1] else 2))
+        _SYNC[key] = out
+    return _SYNC[key]
+
+
 def _sync_bytes(shape: ModelShape, fmt: str) -> float:
-    """Bytes a weight update sends: every weight in the trainer's dtype, or with fmt=fp8 the release's FP8/FP4
-    linears as e4m3 (1 byte) with a 128x128 block's scale."""
-    cfg = shape.cfg
-    total = 0.0
-    for name, s in cfg.param_shapes().items():
-        n = math.prod(s)
-        store = cfg.storage_format(name)
-        fp32 = _param_kind(name, cfg)[1]
-        if fmt == "fp8" and store in ("fp8", "fp4"):
-            total += n * (1 + 1 / (BLOCK * BLOCK))
-        else:
-            total += n * (4 if fp32 else 2)
-    return total
+    return sum(n * b for _, n, b in _sync_items(shape, fmt))
 
 
 def rollout_memory(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware) -> dict:
@@ -912,13 +939,29 @@ def rollout_memory(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware) -
         # SGLang reserves its fraction of the GPU for weights and KV cache up front, whatever they need
         return {"rollout engine (SGLang --mem-fraction-static)": rl.mem_fraction * hw.memory_gib}
     cfg = shape.cfg
-    # the embedded engine holds a whole model per process; its stacked experts copy and the head's bf16 halves
+    # the embedded engine holds a whole model in its process, a second copy of the routed experts stacked for its
+    # decode GEMMs, the head's bf16 halves, and the KV cache of its share of the samples
     weights = _sync_bytes(shape, rl.sync_format)
     experts = sum(n * 2 for b in shape.blocks for (sh, _, _), n in b.params if sh == "exp")
     halves = 2 * cfg.vocab_size * cfg.dim * 2
     kv = rl.samples / max(1, lay.dp) * kv_bytes_per_sequence(cfg, wl.seq_len)
     return {"rollout engine: weights": weights / GiB, "rollout engine: stacked experts": experts / GiB,
             "rollout engine: head halves": halves / GiB, "rollout engine: KV cache": kv / GiB}
+
+
+def sglang_engine_gib(shape: ModelShape, wl: Workload) -> float:
+    """GiB of weights and KV cache one SGLang rank needs: dense weights over its TP, experts over its EP (SGLang splits
+    the experts inside a TP group), the KV of its share of the samples (the latent KV head is not split by TP)."""
+    rl = wl.rl
+    dense = experts = 0.0
+    for name, n, fmt in _sync_items(shape, rl.sync_format):
+        if ".experts." in name and ".shared_experts." not in name:
+            experts += n * fmt
+        else:
+            dense += n * fmt
+    servers = max(1, rl.rollout_gpus // rl.rollout_tp) if not rl.colocated and rl.rollout_gpus else 1
+    kv = rl.samples / servers * kv_bytes_per_sequence(shape.cfg, wl.seq_len)
+    return (dense / rl.rollout_tp + experts / rl.rollout_ep + kv) / GiB
 
 
 def _decode_bytes(cfg, batch: int, length: int, tp: int = 1, ep: int = 1) -> float:
@@ -928,11 +971,11 @@ def _decode_bytes(cfg, batch: int, length: int, tp: int = 1, ep: int = 1) -> flo
     E, k = cfg.n_routed_experts, cfg.n_activated_experts
     active = E * (1 - (1 - k / E) ** batch)
     expert = 3 * cfg.moe_inter_dim * cfg.dim * 2
-    non_expert = 0.0
-    for name, s in cfg.param_shapes().items():
-        if name == "embed.weight" or ".experts." in name or name.endswith("tid2eid"):
-            continue
-        non_expert += math.prod(s) * (4 if name == "head.weight" else 2)
+    key = ("decode", json.dumps(cfg.to_dict(), sort_keys=True))
+    if key not in _SYNC:
+        _SYNC[key] = sum(math.prod(s) * (4 if name == "head.weight" else 2) for name, s in cfg.param_shapes().items()
+                         if name != "embed.weight" and ".experts." not in name and not name.endswith("tid2eid"))
+    non_expert = _SYNC[key]
     kv = 0.0
     for i in range(cfg.n_layers):
         r = cfg.layer_ratio(i)

@@ -287,6 +287,8 @@ def _plot(series: list, path: str, per_gpu: float) -> None:
         ax.plot(xs, ys, marker="o", linestyle="-" if s["optimizer"] == "adam" else "--",
                 color=colors.get(s["model"], None), label=label)
     ax.set_xscale("log", base=2)
+    counts = sorted({p["gpus"] for s in series for p in s["points"]})
+    ax.set_xticks(counts, [str(n) for n in counts])
     ax.set_xlabel("GPUs")
     ax.set_ylabel("predicted tokens/s a GPU (best layout)")
     hw = series[0]["hw"] if series else ""

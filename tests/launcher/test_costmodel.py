@@ -1,0 +1,360 @@
+"""The cost model (launcher/costmodel.py): its parts against hand calculations, its predictions against the recorded
+measurements (benchmarks/records/plan_validation.jsonl), the layouts it refuses and why, and `v4 plan` itself."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher import costmodel as cm
+from launcher.config import Selection, load, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+GiB = 2 ** 30
+
+
+def hardware(name: str = "h200", gpn: int = 8) -> cm.Hardware:
+    return cm.hardware_from_config(load(Selection(hw=name, environ={})), gpus_per_node=gpn)
+
+
+@pytest.fixture(scope="module")
+def flash():
+    return cm.model_shape("flash", (), 4096)
+
+
+# --- parts against hand calculations ----------------------------------------------------------------------------
+
+def test_weight_bytes_of_a_flash_block_by_hand(flash):
+    """Layer 0 (window-only, hash-routed) of Flash, every shape from the architecture note: bf16 linears, fp32 norms,
+    sink and hyper-connections, the int32 hash table, and 256 experts of 3 x 2048 x 4096 in bf16 (12 GiB)."""
+    d, hc = 4096, 4
+    bf16 = (1024 * d + 64 * 512 * 1024 + 512 * d + 8 * 1024 * (64 * 512 // 8) + d * 8 * 1024   # wq_a wq_b wkv wo_a wo_b
+            + 3 * 2048 * d + 256 * d)                                                          # shared expert, gate
+    fp32 = 64 + 1024 + 512 + d + d + 2 * ((2 + hc) * hc * hc * d + (2 + hc) * hc + 3)         # sink, norms, hc
+    tid2eid = 129280 * 6
+    experts = 256 * 3 * 2048 * d
+    assert experts * 2 == 12 * GiB
+    block0 = flash.blocks[0]
+    assert block0.key == "layers.0" and block0.hash_routed and block0.ratio == 0
+    lay, wl = cm.Layout(), cm.Workload()
+    parts, host, trained = cm._param_bytes(block0.params, lay, wl, 1, 1)
+    assert parts["weights"] == bf16 * 2 + fp32 * 4 + tid2eid * 4 + experts * 2
+    assert trained == bf16 + fp32 + experts                        # the hash table is not trained
+    assert parts["gradients"] == 4 * trained and host == 0
+    assert parts["optimizer"] == 12 * (bf16 + experts) + 8 * fp32  # fp32 master + 2 moments; fp32 params: 2 moments
+    # EP 8 holds 32 experts, TP 8 an eighth of the head-split linears and of the shared expert
+    ep8, _, _ = cm._param_bytes(block0.params, cm.Layout(tp=8, ep=8, dp=8), wl, 1, 1)
+    tp_split = 64 * 512 * 1024 + 8 * 1024 * (64 * 512 // 8) + d * 8 * 1024 + 3 * 2048 * d
+    assert ep8["weights"] == pytest.approx((bf16 - tp_split + tp_split / 8) * 2 + (fp32 - 64 + 8) * 4
+                                           + tid2eid * 4 + experts * 2 / 8)
+    # the distributed optimizer shards the state over DP (dense) and the expert data-parallel ranks (experts)
+    dist, _, _ = cm._param_bytes(block0.params, lay, cm.Workload(optimizer="dist"), 4, 2)
+    assert dist["optimizer"] == pytest.approx(12 * bf16 / 2 + 8 * fp32 / 2 + 12 * experts / 4)
+    off, host, _ = cm._param_bytes(block0.params, lay, cm.Workload(optimizer="offload"), 1, 1)
+    assert off["optimizer"] == 0 and host == parts["optimizer"]
+
+
+def test_flash_weights_at_ep8_match_the_reported_resident_peak(flash):
+    """NVIDIA-NeMo/Automodel#2866: V4-Flash's bf16 experts at EP 8 are ~63 GiB a rank (our 44 blocks count the MTP
+    block's too: 66) and with the dense weights ~79 GiB before the first forward on 8 x 80 GB."""
+    p = cm.predict(flash, cm.Layout(ep=8, dp=8), cm.Workload(), hardware())
+    experts = sum(n for b in flash.blocks for (shard, _, _), n in b.params if shard == "exp") * 2 / 8 / GiB
+    assert experts == pytest.approx(44 * 12 / 8)
+    assert math.isfinite(p.memory.parts["weights"]) and abs(p.memory.parts["weights"] / 79.0 - 1) < 0.10
+
+
+def test_all_to_all_bytes_and_placement():
+    """A rank sends tokens x top-k x dim bf16 rows, spread evenly over its EP group: to the peers of its node over
+    NVLink, to the others over the network, both at once."""
+    hw = cm.Hardware("x", "X", 141, 989, 8, nvlink_gbps=300, ib_gbps=40)
+    nbytes = 4096 * 6 * 4096 * 2
+    assert cm._a2a_seconds(nbytes, 1, 8, hw) == 0
+    assert cm._a2a_seconds(nbytes, 8, 8, hw) == pytest.approx(nbytes * 7 / 8 / 300e9)
+    on, off = nbytes * 7 / 16 / 300e9, nbytes * 8 / 16 / 40e9
+    assert cm._a2a_seconds(nbytes, 16, 8, hw) == pytest.approx(max(on, off))
+    # in a block: 4 all-to-alls (dispatch and combine, forward and backward) of the rank's sequence shard
+    shape = cm.model_shape("4layer", ("n_routed_experts=8",), 4096)
+    lay = cm.Layout(tp=2, ep=4, dp=2)
+    hw = cm.Hardware("h200", "H200", 141, 989, 8, 300, 40, rates=cm.rates_for("H200"))
+    t = cm.block_time(shape, shape.blocks[0], lay, cm.Workload(), hw)
+    rows = 4096 / 2 * 6
+    assert t["EP all-to-all"] == pytest.approx(4 * rows * 4096 * 2 * 3 / 4 / 300e9)
+    # TP: 8 sequence-parallel gathers / reduce-scatters of the whole sequence's rows a block
+    assert t["TP collectives"] == pytest.approx(8 * 4096 * 4096 * 2 * (1 / 2) / 300e9)
+
+
+def test_pipeline_bubble_of_1f1b_and_interleaved():
+    for pp, m in ((2, 8), (8, 128), (4, 4)):
+        total = cm.pipeline_seconds([1.0] * pp, m)
+        assert total == m + pp - 1
+        assert (total - m) / total == pytest.approx((pp - 1) / (m + pp - 1))
+        for v in (2, 4):
+            t = cm.pipeline_seconds([1.0] * pp, m, v)
+            assert (t - m) / t == pytest.approx((pp - 1) / (v * m + pp - 1))
+    # the slowest stage sets the pace; the others only fill and drain
+    assert cm.pipeline_seconds([1.0, 3.0, 1.0], 10) == 10 * 3.0 + 2.0
+
+
+def test_micro_batches_in_flight():
+    lay = cm.Layout(pp=8, stages=(6,) * 8)
+    assert [cm.in_flight(lay, s, 128) for s in range(8)] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert cm.in_flight(lay, 0, 3) == 3                       # never more than the step has
+    inter = cm.Layout(pp=4, vpp=2, stages=(3,) * 8)
+    # megatron's interleaved warm-up on rank 0: (pp - 1) * 2 + (vpp - 1) * pp chunk forwards, plus one
+    assert cm.in_flight(inter, 0, 64) == ((4 - 1) * 2 + 4 + 1) / 2
+
+
+def test_layer_split_keeps_hash_layers_on_stage_zero_and_adds_up():
+    for n, pp in ((43, 8), (43, 4), (61, 8), (61, 16), (43, 2), (4, 2)):
+        s = cm.split_layers(n, pp, 3)
+        assert sum(s) == n and len(s) == pp and min(s) >= 1, (n, pp, s)
+        assert s[0] >= min(3, n - pp + 1)
+        assert len(set(s[1:-1])) <= 1                        # first / even middle / last: what the config takes
+    assert cm.split_layers(43, 44, 3) == ()
+
+
+def test_attended_closed_form_equals_the_sum_over_positions():
+    from dsv4.config import ModelConfig
+    from dsv4.flops import attended
+    rng = random.Random(0)
+    for _ in range(200):
+        W, K, r = rng.choice([1, 8, 128]), rng.choice([1, 4, 512]), rng.choice([0, 4, 16, 128])
+        S = rng.randint(1, 3000)
+        cfg = ModelConfig.preset("tiny").with_overrides(window_size=W, index_topk=K, compress_ratios=[r, 4, 16, 4, 0])
+        slots = sum(min(W, t + 1) + ((min(K, (t + 1) // r) if r == 4 else (t + 1) // r) if r else 0) for t in range(S))
+        keys = sum((t + 1) // r for t in range(S)) if r == 4 else 0
+        got = attended(cfg, 0, S)
+        assert got == pytest.approx((slots / S, keys / S)), (W, K, r, S)
+
+
+def test_kv_cache_of_a_flash_sequence_by_hand(flash):
+    L = 4096
+    window = 43 * 128 * 512 * 2
+    csa = 21 * (L / 4 * 512 * 2 + L / 4 * 128 * 2)
+    hca = 20 * (L / 128 * 512 * 2)
+    assert cm.kv_bytes_per_sequence(flash.cfg, L) == window + csa + hca
+
+
+def test_model_flops_are_dsv4_flops(flash):
+    from dsv4.flops import train_flops_per_token
+    for mtp in (False, True):
+        assert flash.train_flops[mtp] == pytest.approx(train_flops_per_token(flash.cfg, 4096, mtp=mtp)[0])
+
+
+# --- calibration and measurements ---------------------------------------------------------------------------------
+
+def test_the_fit_gives_back_what_it_was_fitted_to():
+    rates = cm.rates_for("H200")
+    assert rates.source == "measured" and 0.5 < rates.act_scale < 2 and 0 < rates.workspace_gib < 10
+    for mb, check in rates.calibration.items():
+        assert check["step_s"] == pytest.approx(check["measured_step_s"], rel=1e-9), mb
+        assert check["peak_gib"] == pytest.approx(check["measured_peak_gib"], rel=1e-9), mb
+    for k, v in rates.tflops.items():
+        assert math.isfinite(v) and 0 < v < 989, k           # no part faster than the GPU's peak
+    h20 = cm.rates_for("H20")
+    assert h20.source == "scaled" and h20.tflops["experts"] == pytest.approx(rates.tflops["experts"] * 0.1496)
+    assert cm.rates_for("B300") is None
+
+
+# measurements the model misses, and why (docs/plan.md says the same): TP=2's step on the 4-layer model (the model
+# keeps the full-width GEMM rates and has no per-collective latency), and the RL smoke's step, whose 5 s the model's
+# rollout + train + sync does not account for
+KNOWN_MISSES = {("2 x H200 TP2 EP2 / 1 GPU", "s/step ratio"), ("rl_smoke", "s/step")}
+
+
+def test_predictions_against_the_recorded_measurements():
+    rows = cm.validation_table()
+    kinds = {r["kind"] for r in rows}
+    assert {"fit", "measured", "gap", "recipe", "oom"} <= kinds
+    for r in rows:
+        if r["predicted"] is not None:
+            assert math.isfinite(r["predicted"]), r
+        if r["kind"] == "gap":
+            assert r["ok"] is None and r["measured"] is None and "v4 " in r["command"]
+            continue
+        if (r["name"], r["quantity"]) in KNOWN_MISSES:
+            assert r["ok"] is False, f"{r['name']} {r['quantity']} is within tolerance now: update KNOWN_MISSES and docs"
+            continue
+        assert r["ok"], r
+    memory = [r for r in rows if r["kind"] == "measured" and r["quantity"].startswith("peak")]
+    assert len(memory) >= 5 and all(abs(r["error"]) <= 0.10 for r in memory)
+
+
+def test_public_recipes_fit_and_reported_ooms_are_flagged():
+    rows = {r["name"]: r for r in cm.validation_table()}
+    assert rows["V4-Flash TP8 PP8 EP8 on 64 H200"]["verdict"].startswith("feasible")
+    assert "memory, Adam state" in rows["V4-Flash TP8 PP8 EP8 on 64 H20, this trainer's Adam"]["verdict"]
+    assert "miles#3142" in rows["V4-Flash TP8 PP8 EP8 on 64 H20, this trainer's Adam"]["verdict"]
+    assert "dense attention" in rows["V4-Flash, dense attention fallback, CP2 PP4 on 128 H200"]["verdict"]
+    assert "layers/PP split" in rows["the bash launcher's B0: TP4 PP4 CP2 EP16, 13/13"]["verdict"]
+
+
+def test_the_indexer_scores_only_cp_divides_are_flagged_at_long_context():
+    """radixark/miles#1766: the indexer's fp32 scores of every query against every compressed entry, [S/CP, S/4] a
+    layer: 64 GiB at 256K tokens whatever TP, an eighth of it at CP 8."""
+    S = 262144
+    sh = cm.model_shape("flash", (), S)
+    hw = hardware()
+    wl = cm.Workload(S, 64, optimizer="dist", recompute="full")
+    p1 = cm.predict(sh, cm.Layout(8, 8, 1, 8, 1, 1, cm.split_layers(43, 8, 3), 1), wl, hw)
+    p8 = cm.predict(sh, cm.Layout(8, 8, 8, 64, 1, 1, cm.split_layers(43, 8, 3), 1), wl, hw)
+    scores = lambda p: p.memory.detail["transients_gib"]["indexer fp32 scores"]   # noqa: E731
+    assert scores(p1) == pytest.approx(S * (S // 4) * 4 / GiB * hw.rates.act_scale)
+    assert scores(p8) == pytest.approx(scores(p1) / 8)                  # TP does not divide it, CP does
+    assert not p1.fits and p1.overflow.startswith("memory, indexer scores") and "miles#1766" in p1.overflow
+
+
+# --- what the planner refuses -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout,model,reason", [
+    (dict(tp=16, dp=1), "flash", "TP across nodes"),
+    (dict(tp=16, dp=1), "flash", "heads/TP"),                       # 8 output groups
+    (dict(ep=3, dp=3), "flash", "experts/EP"),
+    (dict(ep=16, dp=4), "flash", "expert grid"),                     # EP*ETP must divide DP*CP*TP
+    (dict(tp=16, etp=16, ep=1, dp=1), "pro", "expert dim/ETP"),     # 3072 / 16 = 192: not whole 128-blocks
+    (dict(tp=2, etp=4, dp=2), "flash", "ETP"),
+    (dict(pp=4, dp=1, stages=(2, 14, 14, 13)), "flash", "hash-routed layers on stage 0"),
+    (dict(pp=4, dp=1, stages=(13, 13, 13, 13)), "flash", "layers/PP split"),
+    (dict(cp=3, dp=1), "flash", "CP"),
+    (dict(dp=3), "flash", "batch"),
+])
+def test_layout_problems(layout, model, reason):
+    shape = cm.model_shape(model, (), 4096)
+    why = cm.layout_problems(shape, cm.Layout(**layout), cm.Workload(4096, 128), 8)
+    assert any(w.startswith(reason + ":") for w in why), why
+
+
+@pytest.mark.parametrize("layout,model", [
+    (dict(tp=8, etp=8, ep=1, dp=1), "pro"),                          # 3072 / 8 = 384 = 3 blocks
+    (dict(pp=4, dp=1, stages=(13, 9, 8, 13)), "flash"),
+    (dict(tp=8, pp=8, ep=8, dp=1, stages=(4, 6, 6, 6, 6, 6, 6, 3)), "flash"),
+    (dict(tp=8, pp=8, ep=32, dp=4, stages=(7, 8, 8, 8, 8, 8, 8, 6)), "pro"),
+])
+def test_layouts_that_can_run(layout, model):
+    shape = cm.model_shape(model, (), 4096)
+    assert cm.layout_problems(shape, cm.Layout(**layout), cm.Workload(4096, 128), 8) == []
+
+
+def test_layouts_of_64_h200_rank_by_tokens_and_reject_with_reasons(flash):
+    hw = hardware()
+    wl = cm.Workload(4096, 128)
+    ok, rejected = cm.enumerate_layouts(flash, wl, hw, 64)
+    assert ok and rejected
+    speeds = [p.tokens_per_s_gpu for p in ok]
+    assert speeds == sorted(speeds, reverse=True) and all(math.isfinite(s) and s > 0 for s in speeds)
+    assert all(p.fits and p.peak_gib <= hw.usable_gib and not cm.layout_problems(flash, p.layout, wl, 8) for p in ok)
+    cats = {r.category for r in rejected}
+    assert {"memory, state alone", "expert grid", "TP across nodes"} <= cats
+    # every layout of 64 GPUs is either feasible or rejected, the whole-TP-value rejections standing for theirs
+    assert all(r.reasons for r in rejected)
+
+
+def test_planning_4096_gpus_runs(flash):
+    """No timed assert: the planner must get through every layout of the largest cluster it is asked about."""
+    ok, rejected = cm.enumerate_layouts(flash, cm.Workload(4096, 8192), hardware(), 4096)
+    assert ok and ok[0].step_s > 0 and ok[0].layout.world == 4096
+
+
+# --- one source of truth: validate, the dry-run plan, the gates ----------------------------------------------------
+
+def test_validate_derives_the_cost_models_figures():
+    cfg = resolve(Selection(preset="smoke", hw="h200", environ={}))
+    p = cm.predict_config(cfg)
+    assert cfg["PREDICTED_PEAK_GB"] == round(p.peak_gib, 1) == 62.0
+    assert cfg["PREDICTED_STEP_S"] == round(p.step_s, 2) and cfg["STATE_GB_PER_GPU"] < cfg["PREDICTED_PEAK_GB"]
+    assert not cfg.warnings
+    h20 = resolve(Selection(cluster="h20_8node", preset="dryrun", environ={}))
+    assert any("memory, Adam state" in w and "v4 plan" in w for w in h20.warnings), h20.warnings
+
+
+def test_the_dry_run_plan_prints_the_prediction(capsys):
+    from launcher.cli import main
+    with pytest.raises(SystemExit):
+        main(["run", "--preset", "smoke", "--hw", "h200", "--dry-run"])
+    assert "predicted: 62.0 GiB peak a GPU" in capsys.readouterr().out
+
+
+def test_b0_gates_record_predicted_against_measured(tmp_path):
+    from launcher.gates import evaluate
+    cfg = resolve(Selection(preset="smoke", hw="h200", sets=(f"V4_WORK={tmp_path}",), environ={}))
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"step": i + 1, "loss": 1.0, "grad_norm": 1.0, "step_time_s": 1.3,
+                                "peak_mem_gb": 65.0}) + "\n")
+    mem, step = evaluate(["peak_memory", "step_time"], run, cfg)
+    assert mem.passed and mem.measured == 65.0 and mem.predicted == pytest.approx(62.0)
+    assert mem.error == pytest.approx(62.0 / 65.0 - 1) and "predicted 62.0 GB" in mem.detail
+    assert step.predicted == pytest.approx(1.27) and step.error == pytest.approx(1.27 / 1.3 - 1)
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+def test_plan_layouts_json(capsys):
+    from launcher.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "layouts", "--cluster", "h200_template", "--preset", "full", "--gpus", "64", "--json"])
+    assert e.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpus"] == 64 and out["model"] == "flash" and out["feasible"] and out["rejected"]
+    first = out["feasible"][0]
+    assert first["layout"]["world"] == 64 and first["fits"] and first["step_s"] > 0 and first["bottleneck"]
+    assert all(r["reasons"] and r["category"] for r in out["rejected"])
+    assert any("HW_IB_GBPS" in a or "network" in a for a in out["assumptions"])
+
+
+def test_plan_show_json_and_text(capsys):
+    from launcher.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "show", "--cluster", "h20_8node", "--preset", "dryrun", "--json"])
+    assert e.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["name"].startswith("TP8 PP8 CP1 EP8") and out["layout"]["stages"] == [4, 6, 6, 6, 6, 6, 6, 3]
+    assert not out["fits"] and out["overflow"].startswith("memory, Adam state")
+    with pytest.raises(SystemExit):
+        main(["plan", "show", "--cluster", "h20_8node", "--preset", "dryrun", "--optimizer", "offload"])
+    text = capsys.readouterr().out
+    assert "fits" in text and "optimizer state on the host" in text and "EP all-to-all" in text
+
+
+def test_plan_refuses_a_cpu_layer(capsys):
+    from launcher.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "layouts", "--preset", "smoke", "--hw", "cpu"])
+    assert e.value.code == 2 and "not a GPU" in capsys.readouterr().err
+
+
+def test_plan_scaling_writes_a_png(tmp_path, capsys):
+    from launcher.cli import main
+    out = tmp_path / "scaling.png"
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "scaling", "--cluster", "h200_template", "--preset", "full", "--gpus", "64,128",
+              "--models", "flash", "-o", str(out), "--json"])
+    assert e.value.code == 0 and out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+    series = json.loads(capsys.readouterr().out)["series"]
+    assert {s["optimizer"] for s in series} == {"adam", "dist"}
+    assert all(p["tokens_per_s_gpu"] > 0 for s in series for p in s["points"])
+
+
+def test_plan_calibration_json(capsys):
+    from launcher.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "calibration", "--json"])
+    assert e.value.code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert any(r["verdict"].startswith("GAP") for r in rows) and any(r["verdict"].startswith("within") for r in rows)
+
+
+def test_plan_imports_neither_torch_nor_ray():
+    code = ("import sys\nfrom launcher.cli import main\n"
+            "try:\n    main(['plan', 'layouts', '--cluster', 'h200_template', '--preset', 'full', '--gpus', '16'])\n"
+            "except SystemExit:\n    pass\n"
+            "print('HEAVY', sorted(m for m in ('torch', 'ray', 'dsv4.model') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert "HEAVY []" in r.stdout, r.stdout[-500:] + r.stderr[-2000:]
