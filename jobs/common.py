@@ -91,7 +91,7 @@ class RunContext:
         directory name (a resumed run continues its W&B run), config the run's PRESET_/HW_ values. The API key
         comes from the environment (WANDB_API_KEY) or ~/.netrc, never from a config file; V4_WANDB_MODE=offline
         keeps it under RUN/wandb for a later `wandb sync`. V4_WANDB_TIMEOUT bounds wandb.init (W&B's own default
-        waits 90 s for an unreachable server) and the upload at exit (W&B's waits for ever). Where wandb is not
+        waits 90 s for an unreachable server) and the upload at exit (W&B's waits for all of it). Where wandb is not
         installed or does not start, the metrics still reach metrics.jsonl and TensorBoard, with one warning."""
         if not hasattr(self, "_wb"):
             self._wb = None
