@@ -147,7 +147,6 @@ class Hardware:
     gpus_per_node: int
     nvlink_gbps: float                 # per-GPU bus bandwidth of collectives inside a node
     ib_gbps: float                     # per-GPU bandwidth across nodes
-    hbm_gbps: float = 0.0              # copy bandwidth (HW_HBM_GBPS; 0: the calibration's)
     rates: Rates | None = None
     reserve_gib: float = 2.0           # CUDA context, NCCL communicators: never available to the allocator
     fragmentation: float = 0.03        # reserved over allocated with expandable segments
@@ -748,6 +747,9 @@ def predict(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: dic
     worst = max(mems, key=lambda m: m.total)
     fits = worst.total <= usable or not hw.memory_gib
     overflow = "" if fits else _overflow(shape, lay, wl, hw, worst, usable)
+    if wl.rl and wl.rl.engine == "sglang":
+        notes.append("SGLang's decode is timed at the embedded engine's measured bandwidth (SGLang is not measured "
+                     "here)")
     if wl.rl and wl.rl.engine == "sglang" and hw.memory_gib:
         need, room = sglang_engine_gib(shape, wl), wl.rl.mem_fraction * hw.memory_gib
         notes.append(f"an SGLang rank needs {need:.1f} GiB of weights and KV cache (TP {wl.rl.rollout_tp}, EP "
@@ -1172,10 +1174,14 @@ def derive_rates(row) -> Rates:
 
 
 # ================================================================================================ from the config
-ASSUMED = {
-    "HW_NVLINK_GBPS": "hw file: per-GPU bus bandwidth of NCCL collectives inside a node",
-    "HW_IB_GBPS": "hw file: per-GPU network bandwidth across nodes",
-}
+
+# what every prediction assumes beyond the hw layer's figures (printed by `v4 plan`; docs/plan.md has the sources)
+MODEL_ASSUMPTIONS = (
+    "rates and the fixed cost per layer and micro-batch come from the 4-layer smoke at TP1 on one H200 and are taken "
+    "to hold at every split (benchmarks/records/plan_calibration.jsonl)",
+    "EP all-to-all: tokens routed evenly over the EP group, NCCL at the bandwidths above (no DeepEP)",
+    "multi-node figures are not measured here: the network bandwidth is the hw file's assumption",
+)
 
 
 def hardware_from_config(cfg, gpus_per_node: int | None = None) -> Hardware:
@@ -1187,10 +1193,10 @@ def hardware_from_config(cfg, gpus_per_node: int | None = None) -> Hardware:
         assumptions.append(f"{gpu} step rates: {rates.note}")
     assumptions.append(f"NVLink {v.get('HW_NVLINK_GBPS', 0):g} GB/s a GPU ({cfg.origin('HW_NVLINK_GBPS').where})")
     assumptions.append(f"network {v.get('HW_IB_GBPS', 0):g} GB/s a GPU ({cfg.origin('HW_IB_GBPS').where})")
+    assumptions += MODEL_ASSUMPTIONS
     return Hardware(cfg.selection.hw, gpu, float(v.get("HW_GPU_MEMORY_GB", 0) or 0), float(v.get("HW_PEAK_TFLOPS", 0)),
-                    gpus_per_node or int(v["V4_NUM_GPUS_PER_NODE"]), float(v.get("HW_NVLINK_GBPS", 0) or 1),
-                    float(v.get("HW_IB_GBPS", 0) or 1), float(v.get("HW_HBM_GBPS", 0) or 0), rates,
-                    assumptions=tuple(assumptions))
+                    gpus_per_node or int(v["V4_NUM_GPUS_PER_NODE"]), float(v.get("HW_NVLINK_GBPS", 0)),
+                    float(v.get("HW_IB_GBPS", 0)), rates, assumptions=tuple(assumptions))
 
 
 def workload_from_config(cfg) -> Workload:
