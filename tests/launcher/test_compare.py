@@ -120,7 +120,9 @@ def test_metrics_rows_go_to_wandb_offline(tmp_path):
     ctx = RunContext.load(run)
     for step, loss in enumerate(LOSS, 1):
         ctx.write_metrics({"step": step, "loss": loss, "note": "text is skipped"})
+    import wandb
     ctx._wandb().finish()
+    wandb.teardown()          # waits for W&B's service to exit: finish() can return before it has written the file
     (run_file,) = run.glob("wandb/offline-run-*-stageA-wb/run-stageA-wb.wandb")
     rows = _wandb_history(run_file)
     assert [r["_step"] for r in rows] == [1, 2, 3, 4, 5, 6]
