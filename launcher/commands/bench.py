@@ -20,6 +20,7 @@ import importlib
 import json
 import statistics
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import click
@@ -300,23 +301,104 @@ def model_options(f):
     return f
 
 
-def bench_model(device: str, model: str | None, model_overrides: str | None, attn_impl: str):
+def bench_model(device: str, model: str | None, model_overrides: str | None, attn_impl: str,
+                rank_of: str | None = None):
     """-> (cuda, preset name, overrides dict): the smoke's model on a GPU (4layer, 8 experts, TileLang), the tiny
-    one with the torch attention on a CPU, unless the options say otherwise."""
+    one with the torch attention on a CPU, unless the options say otherwise. With --rank-of the layout's model is
+    a real one, by default flash on a GPU (tiny on a CPU), without the smoke's expert override."""
     import torch
 
     from dsv4.config import parse_overrides
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: no CUDA GPU is visible")
-    overrides = parse_overrides(model_overrides if model_overrides is not None else
-                                ("n_routed_experts=8" if cuda else ""))
+    smoke = "n_routed_experts=8" if cuda and not rank_of else ""
+    try:
+        overrides = parse_overrides(model_overrides if model_overrides is not None else smoke)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model-overrides") from None
     overrides["attn_impl"] = attn_impl if attn_impl != "auto" else ("tilelang" if cuda else "torch")
-    return cuda, model or ("4layer" if cuda else "tiny"), overrides
+    default = ("flash" if cuda else "tiny") if rank_of else ("4layer" if cuda else "tiny")
+    return cuda, model or default, overrides
+
+
+def rank_options(f):
+    """--rank-of, --stage, --layers: one rank of a parallel layout (dsv4/megatron/rankshape.py)."""
+    for opt in reversed([
+            click.option("--rank-of", "rank_of", default=None, metavar="'TP=8 PP=8 EP=8 [ETP= CP= DP= FIRST= LAST=]'",
+                         help="build what rank 0 of this layout computes (its layers, local experts, tokens per "
+                              "expert, heads and vocabulary under TP), of the --model (default flash on a GPU); "
+                              "FIRST/LAST/LAYOUT split the pipeline as PRESET_PP_FIRST_LAYERS/LAST_LAYERS/LAYOUT. "
+                              "Communication is absent: one device"),
+            click.option("--stage", default="mixed", show_default=True,
+                         help="with --rank-of: the pipeline stage the rank holds: mixed (a slice as long as the "
+                              "longest stage with every attention kind, hash and score routing, the MTP and the LM "
+                              "head), first, last, or a stage number"),
+            click.option("--layers", type=int, default=None,
+                         help="with --rank-of: the slice's layer count instead of the stage's (one that fits the "
+                              "device's memory)")]):
+        f = opt(f)
+    return f
+
+
+def build_rank(model: str, overrides: dict, rank_of: str, stage: str, layers: int | None, train: bool,
+               seq_len: int | None = None):
+    """-> (RankShape, its model config) for --rank-of; usage errors name what does not fit."""
+    from dsv4.config import ModelConfig
+    from dsv4.megatron.rankshape import RankLayout, rank_shape
+    from launcher.config.checks import pipeline_split
+    try:
+        full = ModelConfig.preset(model).with_overrides(**overrides)
+        lay = RankLayout.parse(rank_of)
+        try:
+            split = pipeline_split(full.n_layers, lay.pp, lay.first, lay.last, lay.layout)
+        except ValueError as e:
+            raise ValueError(f"{e} (e.g. --rank-of '{rank_of} FIRST=4 LAST=3', the split of presets/full.env)") \
+                from None
+        rank = rank_shape(full, lay, tuple(split), stage, layers, train=train, seq_len=seq_len)
+        return rank, rank.model_config()
+    except (KeyError, ValueError, TypeError) as e:
+        raise click.BadParameter(str(e), param_hint="--rank-of/--stage/--layers/--model-overrides") from None
+
+
+RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "records"
+
+
+def record_option(f):
+    f = click.option("--records-dir", "records_dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=RECORDS, show_default=True, help="where --record appends")(f)
+    return click.option(
+        "--record", "record", default=None, metavar="ID",
+        help="append each row as a dated record to the records file of this bench (benchmark id ID, suffixed per "
+             "row), with the command, the commit (V4_BENCH_COMMIT where the tree has no git) and the device")(f)
+
+
+def append_records(records_dir: Path, file: str, device: str, records: list[dict], say) -> Path:
+    """One JSON line a record in RECORDS_DIR/FILE (see docs/pipeline.md): date, commit, device, benchmark, shape,
+    variant, metrics, command, note, plus what a record adds (the rank shape, the profile)."""
+    import datetime
+    import os
+    import shlex
+    import sys
+
+    from launcher.registry import code_version
+    ver = code_version(RECORDS.parents[1])
+    commit = (ver.get("sha") or "")[:7] or os.environ.get("V4_BENCH_COMMIT") or None
+    base = {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "commit": commit,
+            "dirty": ver.get("dirty"), "device": device, "clock_mhz": None}
+    command = "v4 " + shlex.join(sys.argv[1:])
+    path = Path(records_dir) / file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for r in records:
+            f.write(json.dumps({**base, **r, "command": command}) + "\n")
+    say(f"[bench] {len(records)} record(s) appended to {path}")
+    return path
 
 
 @bench.command("rollout")
 @model_options
+@rank_options
 @click.option("--batches", default="1,2,4,8,16,32,64", show_default=True)
 @click.option("--prompt-len", default=None, type=int, help="tokens fed before timing (default: 16 cpu, 256 cuda)")
 @click.option("--steps", default=8, show_default=True, help="timed decode steps per batch size")
@@ -327,39 +409,80 @@ def bench_model(device: str, model: str | None, model_overrides: str | None, att
 @click.option("--eager", is_flag=True, help="shorthand for --modes graph,uncompiled,eager")
 @click.option("--sync", "sync_paths", default="tensor,tensor-fp8,disk,distributed", show_default=True,
               help="weight-update paths to time (empty: none)")
+@record_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
-def bench_rollout(device, model, model_overrides, attn_impl, batches, prompt_len, steps, warmup, modes, eager,
-                  sync_paths, as_json):
+def bench_rollout(device, model, model_overrides, attn_impl, rank_of, stage, layers, batches, prompt_len, steps,
+                  warmup, modes, eager, sync_paths, record, records_dir, as_json):
     """Decode tokens/s of the embedded rollout engine (its CUDA-graphed step, and with --eager the same step
     launched op by op) beside the HBM roofline of the same step, and the seconds and GB/s of each weight-update
-    path."""
+    path. With --rank-of, the model is what one rank of an expert-parallel rollout holds (its stage's layers,
+    E/EP experts), each rank decoding its own batch."""
     import torch
 
+    from dsv4.config import ModelConfig
+    from dsv4.model import Transformer
     from dsv4.rl import bench as rb
     from dsv4.rl.engine import EmbeddedEngine
 
-    cuda, model, overrides = bench_model(device, model, model_overrides, attn_impl)
+    cuda, model, overrides = bench_model(device, model, model_overrides, attn_impl, rank_of)
     dev = "cuda" if cuda else "cpu"
     say = (lambda m: click.echo(m, err=True))
-    say(f"[bench] building {model} {overrides or ''} on {dev}")
-    engine = EmbeddedEngine.from_preset(model, [f"{k}={v}" for k, v in overrides.items()], device=dev)
     modes = rb.MODES if eager else tuple(m for m in modes.split(",") if m)
     bad = [m for m in modes if m not in rb.MODES]
     if bad or not modes:
         raise click.BadParameter(f"{','.join(bad) or '(none)'}: choose from {', '.join(rb.MODES)}", param_hint="--modes")
+    try:
+        batch_sizes = [int(b) for b in batches.split(",") if b]
+    except ValueError:
+        raise click.BadParameter(f"{batches!r}: comma-separated integers", param_hint="--batches") from None
+    plen = prompt_len or (256 if cuda else 16)
+    rank = None
+    if rank_of:
+        rank, cfg = build_rank(model, overrides, rank_of, stage, layers, train=False)
+    else:
+        try:
+            cfg = ModelConfig.preset(model).with_overrides(**overrides)
+        except (KeyError, ValueError, TypeError) as e:
+            raise click.BadParameter(str(e), param_hint="--model/--model-overrides") from None
+    say(f"[bench] building {model} {overrides or ''} on {dev}" + (f": {cfg.n_layers} layers, {cfg.n_routed_experts} "
+                                                                  "experts" if rank else ""))
+    engine = EmbeddedEngine(Transformer(cfg).to(dev), model_path=f"preset:{model}", seed=0)
     bw = rb.copy_bandwidth(engine.device)
-    rows = rb.bench_decode(engine, [int(b) for b in batches.split(",") if b], prompt_len or (256 if cuda else 16),
-                           steps, warmup, bw, say, modes=modes)
+    rows = rb.bench_decode(engine, batch_sizes, plen, steps, warmup, bw, say, modes=modes)
     sync_rows = rb.bench_sync(engine, [p for p in sync_paths.split(",") if p], say)
-    report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": model, "overrides": overrides,
+    dev_name = torch.cuda.get_device_name() if cuda else "cpu"
+    report = {"device": dev_name, "model": model, "overrides": overrides,
+              "experts": cfg.n_routed_experts, "top_k": cfg.n_activated_experts, "layers": cfg.n_layers,
+              "rank": rank.summary(plen, 1) if rank else None,
               "copy_bandwidth_gb_s": bw / 1e9, "graph_capture_failed": rb.decode.GraphedStep.capture_failed,
               "compile_failed": rb.decode.GraphedStep.compile_failed,
-              "decode": [asdict(r) for r in rows],
+              "decode": [{**asdict(r), "tokens_per_expert": r.batch * cfg.n_activated_experts / cfg.n_routed_experts}
+                         for r in rows],
               "sync": [asdict(r) for r in sync_rows]}
+    if record:
+        shape = (f"{model} {' '.join(f'{k}={v}' for k, v in overrides.items())}, {cfg.n_layers} layers, "
+                 f"{cfg.n_routed_experts} experts (top-{cfg.n_activated_experts}), {cfg.dtype}, prompt {plen}")
+        if rank:
+            shape += f"; rank 0 of {rank.layout}, {rank.stage_name()}"
+        note = "roofline at the copy bandwidth measured in the same run" + (
+            "; communication absent (one device: no EP all-to-all)" if rank else "")
+        recs = [{"benchmark": f"{record}_b{r.batch}_{r.mode}", "shape": shape,
+                 "metrics": {"ms_per_step": round(r.step_ms, 3), "tokens_per_s": round(r.tokens_per_s, 1),
+                             "of_roofline": round(r.achieved, 3), "roofline_ms": round(r.roofline_ms, 3),
+                             "weight_mb": round(r.weight_bytes / 1e6, 1), "kv_mb": round(r.kv_bytes / 1e6, 2)},
+                 "note": note, **({"rank": report["rank"]} if rank else {})} for r in rows]
+        recs += [{"benchmark": f"{record}_sync_{r.path}", "shape": shape,
+                  "metrics": {"seconds": round(r.seconds, 3), "gb_per_s": round(r.gb_per_s, 2), "bytes": r.bytes},
+                  "note": note} for r in sync_rows]
+        append_records(records_dir, "rollout.jsonl", dev_name, recs, say)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    click.echo(f"device: {report['device']}   model: {model} {overrides or ''}")
+    click.echo(f"device: {report['device']}   model: {model} {overrides or ''}   {cfg.n_layers} layers, "
+               f"{cfg.n_routed_experts} experts (top-{cfg.n_activated_experts})")
+    if rank:
+        for line in rank.describe(plen, 1, train=False):
+            click.echo(line)
     if report["graph_capture_failed"]:
         click.echo(f"CUDA graph capture failed, eager only: {report['graph_capture_failed']}")
     if report["compile_failed"]:
@@ -382,8 +505,10 @@ def peak_tflops_of(device_name: str) -> float:
 
 @bench.command("step")
 @model_options
+@rank_options
 @click.option("--seq-len", type=int, default=None, help="tokens per sequence (default: 64 cpu, 4096 cuda)")
-@click.option("--global-batch", type=int, default=None, help="sequences per step (default: 2 cpu, 8 cuda: the smoke's)")
+@click.option("--global-batch", type=int, default=None,
+              help="sequences per step (default: 2 cpu, 8 cuda: the smoke's); with --rank-of the rank's share")
 @click.option("--micro-batch", type=int, default=1, show_default=True)
 @click.option("--recompute", type=click.Choice(["none", "full"]), default="none", show_default=True)
 @click.option("--warmup", type=int, default=2, show_default=True)
@@ -401,50 +526,77 @@ def peak_tflops_of(device_name: str) -> float:
 @click.option("--nonfinite-hooks", "hooks", is_flag=True,
               help="one more row: the last variant with the non-finite hooks on every module, as "
                    "PRESET_NONFINITE_LOCATE=every_step trains (the default attaches them only to re-run a bad step)")
+@record_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
-def bench_step(device, model, model_overrides, attn_impl, seq_len, global_batch, micro_batch, recompute, warmup,
-               steps, compare, top, peak_tflops, profile, hooks, as_json):
+def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers, seq_len, global_batch, micro_batch,
+               recompute, warmup, steps, compare, top, peak_tflops, profile, hooks, record, records_dir, as_json):
     """Training step speed: tokens/s, TFLOP/s and MFU of the real trainer (megatron-core DDP and optimizer, one
     process), and a profiled step's device time by part of the model (attention, indexer, compressors,
     hyper-connections, norms, router and dispatch, expert GEMMs, LM head and loss, optimizer, communication,
-    idle)."""
+    idle), which add up to the step. With --rank-of, what rank 0 of a parallel layout computes, on one device."""
     import torch
 
     from dsv4.config import ModelConfig
     from dsv4.megatron import stepprof
 
-    cuda, model, overrides = bench_model(device, model, model_overrides, attn_impl)
+    cuda, model, overrides = bench_model(device, model, model_overrides, attn_impl, rank_of)
     variants = parse_variants(compare) if compare else None
+    seq_len = seq_len or (4096 if cuda else 64)
+    rank = None
+    if rank_of:
+        rank, cfg = build_rank(model, overrides, rank_of, stage, layers, train=True, seq_len=seq_len)
     try:
-        cfg = ModelConfig.preset(model).with_overrides(**overrides)
+        if not rank:
+            cfg = ModelConfig.preset(model).with_overrides(**overrides)
         for v in variants or []:
-            ModelConfig.preset(model).with_overrides(**{**overrides, **v})
+            cfg.with_overrides(**v)
     except (KeyError, ValueError, TypeError) as e:
         raise click.BadParameter(str(e), param_hint="--model-overrides/--compare") from None
     dev = "cuda" if cuda else "cpu"
     if peak_tflops is None:
         peak_tflops = peak_tflops_of(torch.cuda.get_device_name()) if cuda else 0.0
     say = (lambda m: click.echo(m, err=True))
+    global_batch = global_batch or (8 if cuda else 2)
+    if rank:
+        for line in rank.describe(seq_len, micro_batch):
+            say(f"[bench] {line}")
     try:
-        res = stepprof.bench_step(cfg, seq_len=seq_len or (4096 if cuda else 64),
-                                  global_batch=global_batch or (8 if cuda else 2), micro_batch=micro_batch,
+        res = stepprof.bench_step(cfg, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                                   steps=steps, warmup=warmup, device=dev, recompute=recompute,
                                   peak_tflops=peak_tflops, variants=variants, profile=profile, top=top,
-                                  hooks=hooks, say=say)
+                                  hooks=hooks, rank=rank, say=say)
+    except torch.OutOfMemoryError as e:
+        raise click.UsageError(f"out of device memory ({str(e).splitlines()[0]}): the model of {cfg.n_layers} layers "
+                               f"and {cfg.n_routed_experts} experts with its Adam state does not fit; try fewer "
+                               "--layers, a larger TP or EP in --rank-of, or --micro-batch 1") from None
     finally:
         import torch.distributed as dist
         if dist.is_initialized():      # left initialized, NCCL's exit can hang the process after its output
             dist.destroy_process_group()
     rows = res["rows"]
-    report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": model, "overrides": overrides,
-              "peak_tflops": peak_tflops, **res, "rows": [asdict(r) for r in rows],
+    dev_name = torch.cuda.get_device_name() if cuda else "cpu"
+    report = {"device": dev_name, "model": model, "overrides": overrides,
+              "peak_tflops": peak_tflops, "rank": rank.summary(seq_len, micro_batch) if rank else None, **res,
+              "rows": [{**asdict(r), "parts_ms": r.parts_ms} for r in rows],
               "top_kernels": [asdict(k) for k in res["top_kernels"]]}
+    if record:
+        recs = step_records(record, rows, model, overrides, cfg, seq_len, global_batch, micro_batch, peak_tflops, rank,
+                            res["routing"])
+        append_records(records_dir, "train_step.jsonl", dev_name, recs, say)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"device: {report['device']}   model: {model} {overrides}   "
-               f"{res['tokens_per_step']:,} tokens/step, {res['flops_per_token'] / 1e9:.2f} GFLOP/token (model)"
+               f"{res['tokens_per_step']:,} tokens/step, {res['flops_per_token'] / 1e9:.2f} GFLOP/token (model"
+               + (f", the rank's share 1/{round(1 / res['flops_share'])}" if res["flops_share"] != 1 else "") + ")"
                + (f", peak {peak_tflops:g} TFLOP/s" if peak_tflops else ""))
+    if rank:
+        for line in rank.describe(seq_len, micro_batch):
+            click.echo(line)
+    if res["routing"]:
+        r = res["routing"]
+        click.echo(f"tokens per expert, measured on one micro-batch: mean {r['tokens_per_expert_mean']:,.0f}, "
+                   f"min {r['tokens_per_expert_min']:,.0f}, max {r['tokens_per_expert_max']:,.0f}")
     w = max([24] + [len(r.variant) + 4 for r in rows])
     click.echo(f"{'variant':<{w}} {'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'loss':>9} {'peak GB':>8}")
     for i, r in enumerate(rows):
@@ -459,11 +611,46 @@ def bench_step(device, model, model_overrides, attn_impl, seq_len, global_batch,
     elif profiled:
         r = rows[profiled[0]]
         click.echo(f"\nwhere the profiled step's time goes ({r.variant}):")
-        click.echo(stepprof.table(r.parts, r.profiled_wall_s))
+        click.echo(stepprof.table(r.parts, r.profiled_wall_s, r.overlap_ms or 0.0))
     if res["top_kernels"]:
         click.echo(f"\nthe {len(res['top_kernels'])} longest kernels of ({profiled[-1] + 1}) (total over the profiled "
                    "step):")
         click.echo(stepprof.kernel_table(res["top_kernels"]))
+
+
+def step_records(record: str, rows, model: str, overrides: dict, cfg, seq_len: int, global_batch: int,
+                 micro_batch: int, peak_tflops: float, rank, routing) -> list[dict]:
+    """One record a timed row: benchmark RECORD (RECORD_2, ... for several variants; RECORD_nonfinite_hooks for the
+    hooks' row), the profile's parts where the row was profiled."""
+    shape = (f"{model} {' '.join(f'{k}={v}' for k, v in overrides.items())}, {cfg.n_layers} layers"
+             + (f" + {cfg.n_mtp_layers} MTP" if rank and rank.mtp else "")
+             + f", {cfg.n_routed_experts} experts, {global_batch} x {seq_len} tokens, micro-batch {micro_batch}")
+    if rank:
+        shape += f"; rank 0 of {rank.layout}, {rank.stage_name()}"
+    note = (f"MFU against {peak_tflops:g} TFLOP/s" if peak_tflops else "no peak given: no MFU") + (
+        "; communication absent (one device), model FLOPs the rank's share" if rank else "")
+    out = []
+    timed = [r for r in rows if not r.variant.endswith(" + non-finite hooks")]
+    for i, r in enumerate(rows):
+        if r.variant.endswith(" + non-finite hooks"):
+            bench_id = f"{record}_nonfinite_hooks"
+        else:
+            bench_id = record if len(timed) == 1 or i == 0 else f"{record}_{i + 1}"
+        rec = {"benchmark": bench_id, "shape": shape, "variant": r.variant,
+               "metrics": {"step_s": round(r.step_s, 4), "tokens_per_s": round(r.tokens_per_s),
+                           "model_tflops": round(r.model_tflops, 1),
+                           "mfu": round(r.mfu, 4) if r.mfu is not None else None,
+                           "loss_fixed_batch": round(r.loss, 4), "peak_mem_gb": round(r.peak_mem_gb, 1)},
+               "note": note}
+        if r.parts:
+            rec["profile"] = {"wall_ms": round(r.profiled_wall_s * 1e3, 1), "parts_ms": round(r.parts_ms, 1),
+                              "overlap_ms": round(r.overlap_ms or 0.0, 1),
+                              "parts": {p.name: round(p.ms, 1) for p in r.parts}}
+        if rank:
+            rec["rank"] = rank.summary(seq_len, micro_batch)
+            rec["routing"] = routing
+        out.append(rec)
+    return out
 
 
 def parse_variants(text: str) -> list[dict[str, str]]:
