@@ -133,11 +133,6 @@ KEYS: list[Key] = [
     _k("HW_GPU_NAME", "str", "", "hw", "substring the GPU's name must contain (preflight); empty on cpu"),
     _k("HW_GPU_MEMORY_GB", "float", 0, "hw", "memory per GPU in GB (0 on cpu)"),
     _k("HW_PEAK_TFLOPS", "float", 0, "hw", "dense bf16 peak TFLOP/s of one GPU: MFU's denominator (0: no MFU)"),
-    _k("HW_MAX_TOKENS_PER_GPU", "int", 4096, "hw", "token budget per GPU per micro-batch"),
-    _k("HW_RECOMPUTE_GRANULARITY", "enum", "none", "hw",
-       "activation recomputation: full recomputes each transformer block in backward", ("none", "full")),
-    _k("HW_NCCL_NVLS_ENABLE", "bool", 0, "hw", "NVLink SHARP (multicast) in NCCL; keep 0 where the host forbids it"),
-    _k("HW_NCCL_MIN_BUSBW_GBPS", "float", 0, "hw",
     # the cost model's (launcher/costmodel.py, `v4 plan`) bandwidths: what each hw file states is a measurement or an
     # assumption with its source, said next to the value
     _k("HW_NVLINK_GBPS", "float", 0, "hw",
@@ -145,6 +140,11 @@ KEYS: list[Key] = [
     _k("HW_IB_GBPS", "float", 0, "hw",
        "network bandwidth between nodes, GB/s a GPU (cost model: all-to-all and gradient reduction across nodes; "
        "0: unknown, not timed)"),
+    _k("HW_MAX_TOKENS_PER_GPU", "int", 4096, "hw", "token budget per GPU per micro-batch"),
+    _k("HW_RECOMPUTE_GRANULARITY", "enum", "none", "hw",
+       "activation recomputation: full recomputes each transformer block in backward", ("none", "full")),
+    _k("HW_NCCL_NVLS_ENABLE", "bool", 0, "hw", "NVLink SHARP (multicast) in NCCL; keep 0 where the host forbids it"),
+    _k("HW_NCCL_MIN_BUSBW_GBPS", "float", 0, "hw",
        "preflight `nccl`: the all-reduce bus bandwidth across a node's GPUs below which it warns (0: no floor)"),
     _k("HW_GEMM_TFLOPS", "float", 0, "hw",
        "preflight `gpu_perf`: the bf16 GEMM TFLOP/s a healthy GPU of this model reaches in the probe (0: judged "
