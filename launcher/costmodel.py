@@ -75,7 +75,7 @@ class Layout:
 
     def name(self) -> str:
         split = ""
-        if self.pp > 1:
+        if self.pp > 1 and self.stages:
             s = self.stages
             mid = s[1:-1]
             split = (f" {s[0]}/{mid[0]}x{len(mid)}/{s[-1]}" if mid and len(set(mid)) == 1
@@ -316,7 +316,10 @@ def layout_problems(shape: ModelShape, lay: Layout, wl: Workload, gpus_per_node:
     if (wl.seq_len // lay.cp) % lay.tp:
         out.append(f"SP: {wl.seq_len}/CP={wl.seq_len // lay.cp} positions do not split over TP={lay.tp}")
     stages = lay.stages or (cfg.n_layers,)
-    if len(stages) != lay.pp * lay.vpp or sum(stages) != cfg.n_layers or min(stages) < 1:
+    if not lay.stages and lay.pp * lay.vpp > 1:
+        out.append(f"layers/PP split: the model's {cfg.n_layers} layers cannot fill {lay.pp * lay.vpp} stages "
+                   "(PP x virtual stages) of one layer or more")
+    elif len(stages) != lay.pp * lay.vpp or sum(stages) != cfg.n_layers or min(stages) < 1:
         out.append(f"layers/PP split: {list(stages)} is not {lay.pp * lay.vpp} stages of >= 1 layer adding up to "
                    f"the model's {cfg.n_layers}")
     elif lay.pp > 1 and stages[0] < cfg.n_hash_layers:

@@ -132,7 +132,9 @@ def layouts(selection, model, model_overrides, gpus, seq_len, global_batch, opti
     for a in hw.assumptions:
         click.echo(f"# assumption: {a}", err=True)
     if not ok:
-        click.echo("no feasible layout", err=True)
+        click.echo("no feasible layout" + ("" if wl.optimizer != "adam" else
+                   "; with this trainer's Adam state on every rank: try --optimizer dist (megatron's distributed "
+                   "optimizer) or offload, or --recompute full"), err=True)
     else:
         rows = [("#", "layout", "tokens/s/GPU", "MFU", "step s", "peak GiB", "bottleneck")]
         for i, p in enumerate(ok[:top or None], 1):
