@@ -449,6 +449,14 @@ def stage_params(shape: ModelShape, lay: Layout, stage: int, wl: Workload, ctx: 
     return items
 
 
+def kernel_slots(cfg, ratio: int, seq_len: int) -> int:
+    """KV slots the sparse attention kernel visits a query, padded to its 64-blocks: the window, plus the indexer's
+    top-k (ratio 4) or every compressed entry (heavily compressed layers)."""
+    window = min(cfg.window_size, seq_len)
+    K = window + (min(cfg.index_topk, seq_len // 4) if ratio == 4 else seq_len / ratio if ratio else 0)
+    return math.ceil(K / 64) * 64
+
+
 def block_activations(shape: ModelShape, blk: Block, lay: Layout, wl: Workload) -> tuple[dict, float, float]:
     """(bytes a block keeps for its backward by part, its transient workspace, its indexer workspace) for one
     micro-batch. The inventory of the tensors autograd saves in dsv4.megatron's block (bf16 = 2 bytes)."""
@@ -464,14 +472,8 @@ def block_activations(shape: ModelShape, blk: Block, lay: Layout, wl: Workload) 
     out["hyper-connections"] = 2 * Ns * (hc * d * 2 + hc * d * 4 + d * 2 + d * 2)
     # attention on the gathered sequence: x, the q low-rank pair, q (projected, normed/rotated), the latent kv
     # (projected, normed, rotated), kv rows with the compressed entries, indices, o (and de-rotated), lse, wo_a out
-    window = min(c.window_size, S)
-    if r == 0:
-        K, entries = window, 0
-    elif r == 4:
-        K, entries = window + min(c.index_topk, S // 4), S / 4
-    else:
-        K, entries = window + S / r, S / r
-    K_pad = math.ceil(K / 64) * 64
+    entries = S / r if r else 0
+    K_pad = kernel_slots(c, r, S)
     attn = N * (d * 2 + 2 * c.q_lora_rank * 2 + 3 * D * 2 + K_pad * 4) + N * H * (4 * D * 2 + 4) \
         + (N + entries) * D * 2 + N * (c.o_groups / t) * c.o_lora_rank * 2
     if wl.attn_impl == "torch":        # the gather reference: rows per slot (bf16 and its fp32 copy), scores, probs
@@ -633,9 +635,7 @@ def block_time(shape: ModelShape, b: Block, lay: Layout, wl: Workload, hw: Hardw
             work = N * f * (rep + (1 - rep) / t) * fwd_passes
         add("routed experts" if part == "router" else part, work / (R.tflops[gemm] * 1e12))
     # the sparse attention kernels over the slots they visit (padded to their 64-blocks)
-    window = min(c.window_size, S)
-    K = window + (min(c.index_topk, S // 4) if b.ratio == 4 else S / b.ratio if b.ratio else 0)
-    per = N * (c.n_heads / t) * math.ceil(K / 64) * 64 * c.head_dim
+    per = N * (c.n_heads / t) * kernel_slots(c, b.ratio, S) * c.head_dim
     fwd = 4 * per / (R.sparse_fwd_tflops * 1e12)
     bwd = 10 * per / (R.sparse_bwd_tflops * 1e12)
     slow = ATTN_SLOWDOWN[wl.attn_impl]
@@ -1130,9 +1130,7 @@ def derive_rates(row) -> Rates:
     # sparse kernels at their records' rates, padded slots
     sparse = 0.0
     for b in shape.layers:
-        window = min(cfg.window_size, row.seq_len)
-        K = window + (min(cfg.index_topk, row.seq_len // 4) if b.ratio == 4 else row.seq_len / b.ratio if b.ratio else 0)
-        per = T * cfg.n_heads * math.ceil(K / 64) * 64 * cfg.head_dim
+        per = T * cfg.n_heads * kernel_slots(cfg, b.ratio, row.seq_len) * cfg.head_dim
         sparse += 4 * per / (row.sparse_fwd_tflops * 1e12) + 10 * per / (row.sparse_bwd_tflops * 1e12)
     tflops = {
         "head": 3 * F["lm head"] * T / part["LM head and loss"] / 1e12,
