@@ -28,8 +28,9 @@ import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Annotated, Callable, Iterable
 
+import msgspec
 import torch
 
 from dsv4 import quant
@@ -232,21 +233,41 @@ def shard_file_name(i: int, n: int) -> str:
 
 
 # ================================================================================================ safetensors io
+class _HeaderEntry(msgspec.Struct, forbid_unknown_fields=True):
+    dtype: str
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+    data_offsets: tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=0)]]
+
+
 def read_header(path: str | Path) -> tuple[dict, int]:
-    """(tensor name -> {dtype, shape, data_offsets}, offset of the data section)."""
+    """(tensor name -> {dtype, shape, data_offsets}, offset of the data section). The messages of its errors
+    quote none of the file's bytes (a server reads files a caller names), only what they fail to be."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise CheckpointError(f"{path}: too short for a safetensors file")
         (n,) = struct.unpack("<Q", raw)
         if n > 100 << 20:
-            raise CheckpointError(f"{path}: header length {n} is implausible; not a safetensors file")
+            raise CheckpointError(f"{path}: not a safetensors file (its first 8 bytes are no header length)")
         try:
             header = json.loads(f.read(n))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise CheckpointError(f"{path}: its header is not valid JSON: truncated or corrupted; download it again") from None
         size = os.fstat(f.fileno()).st_size
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: its header is not a JSON object; not a safetensors file")
     header.pop("__metadata__", None)
+    for name, v in header.items():
+        try:
+            e = msgspec.convert(v, _HeaderEntry)
+        except msgspec.ValidationError as err:
+            raise CheckpointError(f"{path}: header entry {name[:200]!r} is not a safetensors tensor entry ({err}); "
+                                  f"corrupted, download it again") from None
+        lo, hi = e.data_offsets
+        if e.dtype in _ITEMSIZE and hi - lo != _nbytes(e.dtype, e.shape) or hi < lo:
+            raise CheckpointError(f"{path}: header entry {name[:200]!r}: data_offsets span {hi - lo} bytes, its "
+                                  f"dtype and shape need {_nbytes(e.dtype, e.shape) if e.dtype in _ITEMSIZE else '?'}; "
+                                  f"corrupted, download it again")
     need = 8 + n + max((v["data_offsets"][1] for v in header.values()), default=0)
     if size < need:
         # found here, before anything is written, not as a reader error halfway through the conversion
@@ -449,17 +470,40 @@ class SourceTensor:
     shape: tuple[int, ...]
 
 
-def _source_tensors(src: Path) -> dict[str, SourceTensor]:
-    index = src / INDEX
+class _Index(msgspec.Struct):
+    weight_map: dict[str, str]
+
+
+def inside(root: Path, rel: str | Path) -> Path:
+    """`root / rel` resolved (symlinks followed); CheckpointError unless that is inside `root` (also resolved)."""
+    base = Path(root).resolve()
+    real = (base / rel).resolve()
+    if real != base and base not in real.parents:
+        raise CheckpointError(f"{Path(root) / rel} is outside the checkpoint directory {root} (a '..', an absolute "
+                              f"path or a symlink out of it): only files inside the directory are read")
+    return real
+
+
+def _source_tensors(src: Path, confine: bool = False) -> dict[str, SourceTensor]:
+    """Every tensor of a checkpoint directory's shards (its index's, or every *.safetensors). `confine`: refuse
+    any file (index, shard) that resolves outside `src`; a directory of symlinks into a cache (the Hub's
+    snapshots/) is read only without it."""
+    def resolve(rel):
+        return inside(src, rel) if confine else src / rel
+    index = resolve(INDEX)
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(msgspec.json.decode(index.read_bytes(), type=_Index).weight_map.values()))
+        except (msgspec.DecodeError, RecursionError) as e:      # ValidationError is a DecodeError
+            raise CheckpointError(f"{src / INDEX}: not a safetensors index ({e}); expected "
+                                  f'{{"weight_map": {{tensor: shard file}}}}') from None
     else:
         files = sorted(p.name for p in src.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{src}: no {INDEX} and no *.safetensors files; is this a checkpoint directory?")
     out: dict[str, SourceTensor] = {}
     for fname in files:
-        path = src / fname
+        path = resolve(fname)
         if not path.is_file():
             raise CheckpointError(f"{src / INDEX} lists {fname}, which does not exist; re-download that shard")
         header, _ = read_header(path)
@@ -545,10 +589,13 @@ class _Reader:
         self.handles = {}
 
     def get(self, t: SourceTensor, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-        if t.file not in self.handles:
-            self.handles[t.file] = safe_open(str(t.file), framework="pt")
-        return self.handles[t.file].get_tensor(name)
+        from safetensors import SafetensorError, safe_open
+        try:
+            if t.file not in self.handles:
+                self.handles[t.file] = safe_open(str(t.file), framework="pt")
+            return self.handles[t.file].get_tensor(name)
+        except (SafetensorError, OSError) as e:       # read_header passed it: changed since, or corrupted
+            raise CheckpointError(f"{t.file}: cannot read {name}: {e}") from None
 
 
 # ================================================================================================ dequantizer
@@ -780,12 +827,14 @@ class _ShardJob:
 
 
 # ================================================================================================ loading
-def iter_state_dict(directory: str | Path, cfg: ModelConfig | None = None):
+def iter_state_dict(directory: str | Path, cfg: ModelConfig | None = None, confine: bool = False):
     """Yield (official name, tensor) for every parameter of a checkpoint directory, one at a time (BF16 or
-    released layout; quantized weights come out as bf16). Shapes are checked against the config first."""
+    released layout; quantized weights come out as bf16). Shapes are checked against the config first.
+    `confine`: open no file that resolves outside `directory` (see _source_tensors)."""
     directory = Path(directory)
-    cfg = cfg or ModelConfig.from_hf_config(str(directory / "config.json"))
-    raw = _source_tensors(directory)
+    cfg = cfg or ModelConfig.from_hf_config(str(inside(directory, "config.json") if confine
+                                                else directory / "config.json"))
+    raw = _source_tensors(directory, confine)
     tensors = _to_official_names(raw, cfg.n_layers, directory)
     raw_name = dict(zip(tensors, raw))
     formats, _ = check_source(cfg, tensors, directory)

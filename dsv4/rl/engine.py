@@ -38,7 +38,8 @@ from dsv4.checkpoint import alias_to_official, iter_state_dict
 from dsv4.config import ModelConfig
 from dsv4.model import Transformer
 from dsv4.rl import decode
-from dsv4.rl.api import (EngineUnavailable, GenerateRequest, GenerateResult, RequestError, SamplingParams, ack)
+from dsv4.rl.api import (SAMPLING_EPS, EngineUnavailable, GenerateRequest, GenerateResult, RequestError, SamplingParams,
+                         ack)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -56,9 +57,9 @@ def hash_uniform(seeds: torch.Tensor, pos: int | torch.Tensor, vocab: int) -> to
 
 
 def scaled_logprobs(logits: torch.Tensor, temperature: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """log-softmax of logits / temperature over the allowed tokens ([B, V] bool, None = all). Temperature 0
-    (greedy) scores at 1.0."""
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).unsqueeze(-1)
+    """log-softmax of logits / temperature over the allowed tokens ([B, V] bool, None = all). A temperature below
+    SAMPLING_EPS is greedy and scores at 1.0, as in SGLang (dividing by 1e-40 overflows fp32 to inf and NaN)."""
+    t = torch.where(temperature >= SAMPLING_EPS, temperature, torch.ones_like(temperature)).unsqueeze(-1)
     z = logits.float() / t
     if allowed is not None:
         z = z.masked_fill(~allowed, float("-inf"))
@@ -91,7 +92,7 @@ class BatchSampling:
         def t(vals, dtype):
             return torch.tensor(vals, dtype=dtype, device=device)
         self.temperature = t([p.temperature for p in params], torch.float32)
-        self.greedy = self.temperature == 0
+        self.greedy = self.temperature < SAMPLING_EPS
         self.top_k = t([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
         self.top_p = t([p.top_p for p in params], torch.float32)
         self.min_p = t([p.min_p for p in params], torch.float32)
@@ -431,6 +432,10 @@ class EmbeddedEngine:
                 target = self._resolve(name)
             except KeyError:
                 raise ValueError(f"{name}: not a parameter of this model ({self.cfg.n_layers} layers)") from None
+            if t.is_complex() or t.dtype == torch.bool:
+                # a cast would drop the imaginary part (or make 0/1 weights) without a word
+                raise ValueError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} is not a weight dtype; send "
+                                 f"real (floating-point, FP8 or integer) tensors")
             if t.dtype == torch.float8_e4m3fn:
                 s = tensors.get(name[:-len("weight")] + "weight_scale_inv", tensors.get(name[:-len("weight")] + "scale"))
                 if s is None:
@@ -474,19 +479,24 @@ class EmbeddedEngine:
             if not (Path(model_path) / "config.json").is_file():
                 raise ValueError(f"{model_path}: no config.json; expected a checkpoint directory "
                                  "(v4 ckpt dequantize output, or the trainer's disk sync)")
-            return self.load_named(iter_state_dict(model_path, self.cfg))
+            # confine: the request names the directory, and nothing outside it (.. or a symlink) is opened
+            return self.load_named(iter_state_dict(model_path, self.cfg, confine=True))
         res = self._update(load, weight_version)
         if res["success"]:
             self.model_path = str(model_path)
         return res
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "nccl") -> dict:
+                                  group_name: str = "weight_update_group", backend: str = "nccl",
+                                  timeout_s: float | None = None) -> dict:
+        """timeout_s (ours, not SGLang's): how long joining, and then each broadcast, may wait for the other ranks
+        (the HTTP server passes its --group-timeout); None is dsv4.rl.sync's default."""
         from dsv4.rl.sync import weight_group
         try:
             self._groups[group_name] = weight_group(master_address, master_port, rank_offset, world_size,
-                                                    backend, group_name)
-        except (RuntimeError, ValueError) as e:
+                                                    backend, group_name,
+                                                    **({} if timeout_s is None else {"timeout_s": timeout_s}))
+        except (RuntimeError, ValueError, OSError) as e:
             return ack(False, f"could not join group {group_name!r} at {master_address}:{master_port}: {e}")
         return ack(True, f"joined {group_name!r} as rank {rank_offset} of {world_size}")
 

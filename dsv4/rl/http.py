@@ -58,157 +58,34 @@ from dsv4.rl.api import GenerateRequest, GenerateResult, RequestError
 
 FRONTEND = "dsv4.rl.http"          # /server_info "frontend"; SGLang's Python server says "python"
 DEFAULT_MAX_BODY_MB = 4096         # one weight bucket (1 GiB in miles) is ~1.33 GiB once base64'd
+DEFAULT_READ_TIMEOUT_S = 60.0      # the longest silence while a client sends its request (or takes the answer)
+DEFAULT_GROUP_TIMEOUT_S = 60.0     # the longest a weight-update group waits for its members, or for one broadcast
 
 
-# --- request-body fields ------------------------------------------------------------------------------
+# --- request bodies ------------------------------------------------------------------------------------
 
-_REQUIRED = object()
+# path -> the body's schema, a msgspec Struct named after SGLang's io_struct class for it (the contract test
+# checks the names, fields and required fields against SGLang's). The engine call gets the fields that are not
+# the struct's `ignored` ones as keyword arguments.
+ENDPOINT_BODIES: dict[str, type[api._Body]] = {
+    "/generate": api.GenerateReqInput,
+    "/init_weights_update_group": api.InitWeightsUpdateGroupReqInput,
+    "/destroy_weights_update_group": api.DestroyWeightsUpdateGroupReqInput,
+    "/update_weights_from_distributed": api.UpdateWeightsFromDistributedReqInput,
+    "/update_weights_from_tensor": api.UpdateWeightsFromTensorReqInput,
+    "/update_weights_from_disk": api.UpdateWeightFromDiskReqInput,
+    "/begin_weight_update": api.BeginWeightUpdateReqInput,
+    "/end_weight_update": api.EndWeightUpdateReqInput,
+    "/pause_generation": api.PauseGenerationReqInput,
+    "/continue_generation": api.ContinueGenerationReqInput,
+    "/get_weights_by_name": api.GetWeightsByNameReqInput,
+    "/release_memory_occupation": api.ReleaseMemoryOccupationReqInput,
+    "/resume_memory_occupation": api.ResumeMemoryOccupationReqInput,
+}
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _v_str(name, v):
-    if not isinstance(v, str):
-        raise RequestError(name, f"expected a string, got {_json_type(v)}")
-    return v
-
-
-def _v_int(name, v):
-    if not _is_int(v):
-        raise RequestError(name, f"expected an integer, got {_json_type(v)}")
-    return v
-
-
-def _v_bool(name, v):
-    if not isinstance(v, bool):
-        raise RequestError(name, f"expected a boolean, got {_json_type(v)}")
-    return v
-
-
-def _v_number(name, v):
-    if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
-        raise RequestError(name, f"expected a number, got {_json_type(v)}")
-    return v
-
-
-def _v_opt(f):
-    return lambda name, v: None if v is None else f(name, v)
-
-
-def _v_list(f):
-    def check(name, v):
-        if not isinstance(v, list):
-            raise RequestError(name, f"expected a list, got {_json_type(v)}")
-        return [f(f"{name}[{i}]", x) for i, x in enumerate(v)]
-    return check
-
-
-def _v_choice(*allowed, why: str = ""):
-    def check(name, v):
-        if v not in allowed:
-            raise RequestError(name, f"{v!r} is not served here; use {' or '.join(map(repr, allowed))}"
-                                     + (f" ({why})" if why else ""))
-        return v
-    return check
-
-
-def _v_any(name, v):
-    return v
-
-
-def _json_type(v) -> str:
-    if v is None:
-        return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "an object"}.get(type(v), type(v).__name__)
-
-
-_SELECTOR = _v_choice("all", "target", why="this engine has no draft model")
-_DROP = "drop"      # accepted for SGLang compatibility, no effect here (see the module docstring)
-
-
-@dataclass(frozen=True)
-class _Field:
-    check: Callable
-    default: Any = None
-    use: str = "pass"            # pass: an argument of the engine call; drop: validated, then ignored
-
-    @property
-    def required(self) -> bool:
-        return self.default is _REQUIRED
-
-
-def _f(check, default=None, use="pass"):
-    return _Field(check, default, use)
-
-
-# path -> (SGLang's io_struct class, {field: spec}). Every name here is a field of that class (the contract
-# test checks it); the engine call gets the "pass" fields as keyword arguments.
-ENDPOINT_FIELDS: dict[str, tuple[str, dict[str, _Field]]] = {
-    "/init_weights_update_group": ("InitWeightsUpdateGroupReqInput", {
-        "master_address": _f(_v_str, _REQUIRED), "master_port": _f(_v_int, _REQUIRED),
-        "rank_offset": _f(_v_int, _REQUIRED), "world_size": _f(_v_int, _REQUIRED),
-        "group_name": _f(_v_str, "weight_update_group"), "backend": _f(_v_str, "nccl")}),
-    "/destroy_weights_update_group": ("DestroyWeightsUpdateGroupReqInput", {
-        "group_name": _f(_v_str, "weight_update_group")}),
-    "/update_weights_from_distributed": ("UpdateWeightsFromDistributedReqInput", {
-        "names": _f(_v_list(_v_str), _REQUIRED), "dtypes": _f(_v_list(_v_str), _REQUIRED),
-        "shapes": _f(_v_list(_v_list(_v_int)), _REQUIRED),
-        "group_name": _f(_v_str, "weight_update_group"), "flush_cache": _f(_v_bool, True),
-        "weight_version": _f(_v_opt(_v_str)), "load_format": _f(_v_opt(_v_str)),
-        "abort_all_requests": _f(_v_bool, False, _DROP), "selector": _f(_SELECTOR, "all", _DROP),
-        "torch_empty_cache": _f(_v_bool, False, _DROP)}),
-    "/update_weights_from_tensor": ("UpdateWeightsFromTensorReqInput", {
-        "serialized_named_tensors": _f(_v_list(_v_str), _REQUIRED),
-        "load_format": _f(_v_opt(_v_str)), "flush_cache": _f(_v_bool, True),
-        "weight_version": _f(_v_opt(_v_str)),
-        "abort_all_requests": _f(_v_bool, False, _DROP), "selector": _f(_SELECTOR, "all", _DROP),
-        "torch_empty_cache": _f(_v_bool, False, _DROP)}),
-    "/update_weights_from_disk": ("UpdateWeightFromDiskReqInput", {
-        "model_path": _f(_v_str, _REQUIRED), "load_format": _f(_v_opt(_v_str)),
-        "weight_version": _f(_v_opt(_v_str)), "flush_cache": _f(_v_bool, True),
-        "abort_all_requests": _f(_v_bool, False, _DROP), "torch_empty_cache": _f(_v_bool, False, _DROP),
-        "recapture_cuda_graph": _f(_v_bool, False, _DROP), "token_step": _f(_v_int, 0, _DROP),
-        "is_async": _f(_v_choice(False, why="the update is synchronous"), False, _DROP),
-        "keep_pause": _f(_v_choice(False, why="pause with /pause_generation instead"), False, _DROP),
-        "manifest": _f(_v_choice(None, why="the checkpoint directory is read as a whole"), None, _DROP)}),
-    "/begin_weight_update": ("BeginWeightUpdateReqInput", {"selector": _f(_SELECTOR, "all", _DROP)}),
-    "/end_weight_update": ("EndWeightUpdateReqInput", {}),
-    # SGLang's default mode is "abort"; the RolloutEngine protocol's is "retract" (the client always sends it)
-    "/pause_generation": ("PauseGenerationReqInput", {
-        "mode": _f(_v_choice("abort", "retract", "in_place"), "abort")}),
-    "/continue_generation": ("ContinueGenerationReqInput", {"torch_empty_cache": _f(_v_bool, True, _DROP)}),
-    "/get_weights_by_name": ("GetWeightsByNameReqInput", {
-        "name": _f(_v_str, _REQUIRED), "truncate_size": _f(_v_int, 100)}),
-    "/release_memory_occupation": ("ReleaseMemoryOccupationReqInput", {"tags": _f(_v_opt(_v_list(_v_str)))}),
-    "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", {"tags": _f(_v_opt(_v_list(_v_str)))}),
-}
-
-
-def parse_fields(path: str, body: Any) -> dict:
-    """A control endpoint's JSON body -> the engine call's keyword arguments. RequestError names the field."""
-    _, spec = ENDPOINT_FIELDS[path]
-    if body is None:
-        body = {}
-    if not isinstance(body, dict):
-        raise RequestError("body", f"expected a JSON object, got {_json_type(body)}")
-    for k in body:
-        if k not in spec:
-            known = ", ".join(spec) or "none"
-            raise RequestError(k, f"unknown field for {path} (known: {known})")
-    out = {}
-    for name, fs in spec.items():
-        if name in body:
-            v = fs.check(name, body[name])
-        elif fs.required:
-            raise RequestError(name, f"required by {path}")
-        else:
-            v = fs.default
-        if fs.use == "pass":
-            out[name] = v
-    return out
 
 
 # --- update_weights_from_tensor payload ---------------------------------------------------------------
@@ -308,23 +185,35 @@ def _dumps(body) -> bytes:
 
 
 class RolloutHTTPServer(ThreadingHTTPServer):
-    """One engine behind SGLang's routes. `serve_forever()` in any thread; `shutdown()` from another one."""
+    """One engine behind SGLang's routes. `serve_forever()` in any thread; `shutdown()` from another one, then
+    `server_close()`, which waits for the requests in flight (not for a client still sending its request)."""
 
     daemon_threads = False          # server_close() waits for requests in flight (graceful shutdown)
     block_on_close = True
     allow_reuse_address = True
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 30000, token: str | None = None,
-                 max_body_mb: int = DEFAULT_MAX_BODY_MB, log: Callable[[str], None] | None = None):
+                 max_body_mb: int = DEFAULT_MAX_BODY_MB, log: Callable[[str], None] | None = None, *,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S):
         if token is not None and not token.strip():
             raise ValueError("the token is empty")
         if not is_loopback(host) and not token:
             raise ValueError(f"refusing to serve on {host!r} without a token: anyone who reaches it could replace the "
                              f"weights. Bind to 127.0.0.1, or give a shared-secret token (v4 rl serve --token-file)")
+        for name, v in (("max_body_mb", max_body_mb), ("read_timeout_s", read_timeout_s),
+                        ("group_timeout_s", group_timeout_s)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
         self.engine = engine
         self.token = token
-        self.max_body = max_body_mb << 20
+        self.loopback = is_loopback(host)
+        self.max_body = int(max_body_mb) << 20
+        self.read_timeout_s = float(read_timeout_s)
+        self.group_timeout_s = float(group_timeout_s)
         self.log = log if log is not None else (lambda line: print(line, file=sys.stderr, flush=True))
+        self._reading: set[socket.socket] = set()      # connections still sending their request
+        self._reading_lock = threading.Lock()
+        self._closing = False
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), _Handler)
 
@@ -333,12 +222,58 @@ class RolloutHTTPServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
+    def _reading_started(self, conn: socket.socket) -> None:
+        with self._reading_lock:
+            if not self._closing:
+                self._reading.add(conn)
+                return
+        _stop_reading(conn)
+
+    def _reading_done(self, conn: socket.socket) -> None:
+        with self._reading_lock:
+            self._reading.discard(conn)
+
+    def server_close(self) -> None:
+        # A client that sent less than its Content-Length (or nothing yet) would hold its handler thread, and so
+        # this join, until the read timeout: end its request instead. Requests already read run to their answer.
+        with self._reading_lock:
+            self._closing = True
+            reading, self._reading = list(self._reading), set()
+        for conn in reading:
+            _stop_reading(conn)
+        super().server_close()
+
+
+def _stop_reading(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RD)            # a blocked recv returns EOF; the answer can still be written
+    except OSError:
+        pass
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: RolloutHTTPServer
     # HTTP/1.0: one request per connection, so no idle keep-alive thread holds up a graceful shutdown
     protocol_version = "HTTP/1.0"
     server_version = "dsv4-rl-http"
+
+    def setup(self):
+        self.timeout = self.server.read_timeout_s       # every recv and send on this connection (StreamRequestHandler)
+        super().setup()
+        self.server._reading_started(self.connection)
+
+    def finish(self):
+        self.server._reading_done(self.connection)
+        try:
+            super().finish()
+        except OSError:
+            pass                                         # the client is gone or too slow to take the answer
+
+    def handle_one_request(self):
+        try:
+            super().handle_one_request()
+        except TimeoutError:
+            self.close_connection = True                 # the answer could not be sent in time; nothing to do
 
     def do_GET(self):
         self._dispatch()
@@ -363,9 +298,10 @@ class _Handler(BaseHTTPRequestHandler):
                 reply = _error(500, f"internal error: {type(e).__name__}: {e}")
             status = reply.status
             self._drain()
+            self.server._reading_done(self.connection)
             self._send(reply)
-        except (BrokenPipeError, ConnectionResetError):
-            pass                                   # the client went away; nothing to answer
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass                                   # the client went away (or stopped reading); nothing to answer
         finally:
             ms = (time.monotonic() - t0) * 1000
             self.server.log(f"{self.client_address[0]} {self.command} {path} {status} {ms:.1f} ms")
@@ -398,7 +334,10 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             return
         if 0 < n <= 16 << 20:
-            self.rfile.read(n)
+            try:
+                self.rfile.read(n)
+            except (OSError, ValueError):
+                pass
 
     def _authorised(self) -> bool:
         token = self.server.token
@@ -408,24 +347,45 @@ class _Handler(BaseHTTPRequestHandler):
         # constant time in the token's content (compare_digest); the scheme name is case-insensitive (RFC 9110)
         return scheme.lower() == "bearer" and hmac.compare_digest(got.strip().encode(), token.encode())
 
-    def _read_json(self):
+    def _read_body(self) -> bytearray:
+        """The request body, exactly Content-Length bytes (b"" without one)."""
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             raise _error(411, "chunked bodies are not read: send Content-Length")
         try:
             n = int(self.headers.get("Content-Length") or 0)
+            if n < 0:
+                raise ValueError
         except ValueError:
-            raise _error(400, "Content-Length is not an integer", "Content-Length") from None
+            raise _error(400, "Content-Length is not an integer >= 0", "Content-Length") from None
         if n > self.server.max_body:
+            self._body_read = True                       # not drained either: the answer goes out at once
             raise _error(413, f"body of {n >> 20} MiB is over the limit of {self.server.max_body >> 20} MiB; "
-                              f"send weights in smaller buckets")
+                              f"send weights in smaller buckets (or start the server with a larger --max-body-mb)")
         self._body_read = True
-        raw = self.rfile.read(n) if n > 0 else b""
-        if not raw.strip():
-            return None
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _error(400, f"body is not JSON: {e}", "body") from None
+            while got < n:
+                k = self.rfile.readinto1(view[got:])      # one recv at a time: a timeout keeps the count
+                if not k:
+                    break
+                got += k
+        except TimeoutError:
+            raise _error(408, f"the body stalled after {got} of {n} bytes (Content-Length): nothing arrived for "
+                              f"{self.server.read_timeout_s:g} s") from None
+        finally:
+            view.release()
+        if got < n:
+            raise _error(400, f"the body ended after {got} of {n} bytes (Content-Length)", "body")
+        self.server._reading_done(self.connection)
+        return buf
+
+    def _decode(self, path: str, raw: bytearray):
+        # an empty body is SGLang's "all defaults" (requests' json=None, curl -X POST)
+        try:
+            return api.decode(raw if raw.strip() else b"{}", ENDPOINT_BODIES[path])
+        except RequestError as e:
+            raise _error(400, str(e), e.field) from None
 
     def _route(self, path: str, query: str) -> _Reply:
         entry = ROUTES.get(path)
@@ -443,15 +403,17 @@ class _Handler(BaseHTTPRequestHandler):
         for k in params:
             if k not in allowed_query:
                 raise _error(400, f"unknown query parameter for {path}", f"query.{k}")
-        return handler(self, {k: v[-1] for k, v in params.items()})
+        raw = self._read_body()           # after the token check: no unauthenticated client makes us read a body
+        return handler(self, {k: v[-1] for k, v in params.items()}, raw)
 
     # --- endpoints ---
 
-    def _generate(self, query) -> _Reply:
-        body = self._read_json()
+    def _generate(self, query, raw) -> _Reply:
+        body: api.GenerateReqInput = self._decode("/generate", raw)
+        del raw
         reqs: list[GenerateRequest] = []
         try:
-            reqs = api.parse_generate(body)
+            reqs = body.requests()
             results = self.server.engine.generate(reqs)
         except RequestError as e:
             raise _error(400, str(e), e.field) from None
@@ -467,21 +429,28 @@ class _Handler(BaseHTTPRequestHandler):
                              ) from None
             raise
         wire = [r.to_wire() for r in results]
-        ids = body["input_ids"]
-        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        return _Reply(200, wire if batched else wire[0])
+        return _Reply(200, wire if body.batched else wire[0])
 
-    def _control(self, path: str, method: str, extra: Callable[[dict, dict], dict] | None = None):
-        body = self._read_json()
+    def _control(self, path: str, method: str, raw, extra: Callable[[dict, dict], dict] | None = None):
+        body = self._decode(path, raw)
+        del raw
+        kw = body.engine_kwargs()
+        engine = self.server.engine
         try:
-            kw = parse_fields(path, body)
             if path == "/update_weights_from_tensor":
+                body.serialized_named_tensors = None     # the base64 text: gone before the tensors are made
                 kw["named_tensors"] = deserialize_named_tensors(kw.pop("serialized_named_tensors"))
-            ack = getattr(self.server.engine, method)(**kw)
+            elif path == "/init_weights_update_group":
+                self._check_rendezvous(body)
+                if _takes(engine.init_weights_update_group, "timeout_s"):
+                    kw["timeout_s"] = self.server.group_timeout_s
+            ack = getattr(engine, method)(**kw)
         except RequestError as e:
             raise _error(400, str(e), e.field) from None
         except api.EngineUnavailable as e:
             raise _error(503, str(e)) from None
+        finally:
+            kw.pop("named_tensors", None)
         # the engine's answer is an ack, or SGLang's {"message", "status"} for pause/continue: every body says success
         ack = dict(ack) if isinstance(ack, dict) else api.ack(True)
         ok = bool(ack.setdefault("success", True))
@@ -489,26 +458,35 @@ class _Handler(BaseHTTPRequestHandler):
             ack = extra(ack, kw)
         return _Reply(200 if ok else 400, ack)
 
-    def _get_weights(self, query) -> _Reply:
+    def _check_rendezvous(self, body: api.InitWeightsUpdateGroupReqInput) -> None:
+        # The group's rank 0 listens on master_address (the engine is rank 0 when rank_offset is 0) and every
+        # rank connects there; torch's store has no authentication. A server that only loopback clients can
+        # reach must not open, or dial, a port on another interface for them.
+        if self.server.loopback and not is_loopback(body.master_address):
+            raise RequestError("master_address", f"{body.master_address!r} is not a loopback address, and this "
+                                                 f"server only listens on loopback: rendezvous on 127.0.0.1, or "
+                                                 f"serve on a reachable address with a token (v4 rl serve --host "
+                                                 f"ADDR --token-file FILE)")
+
+    def _get_weights(self, query, raw) -> _Reply:
         # SGLang answers the parameter's first values as a JSON list (the trainer reads weights back with it)
+        body = self._decode("/get_weights_by_name", raw)
         try:
-            kw = parse_fields("/get_weights_by_name", self._read_json())
-            return _Reply(200, self.server.engine.get_weights_by_name(**kw))
+            return _Reply(200, self.server.engine.get_weights_by_name(**body.engine_kwargs()))
         except RequestError as e:
             raise _error(400, str(e), e.field) from None
         except KeyError:
-            raise _error(400, f"no parameter named {kw['name']!r}", "name") from None
+            raise _error(400, f"no parameter named {body.name!r}", "name") from None
 
-    def _flush_cache(self, query) -> _Reply:
+    def _flush_cache(self, query, raw) -> _Reply:
         # SGLang: 200 with text, or 400 with the reason; the timeout is a query parameter, the body is empty
         if "timeout" in query:
             try:
-                if float(query["timeout"]) < 0:
+                if not float(query["timeout"]) >= 0:
                     raise ValueError
             except ValueError:
                 raise _error(400, "expected a number >= 0", "query.timeout") from None
-        body = self._read_json()
-        if body not in (None, {}):
+        if raw.strip() not in (b"", b"{}"):
             raise _error(400, "/flush_cache takes no body (the timeout is the query parameter ?timeout=)", "body")
         ack = self.server.engine.flush_cache()
         if ack.get("success", True):
@@ -516,24 +494,24 @@ class _Handler(BaseHTTPRequestHandler):
                                "or waiting requests, the operation will not be performed.)\n")
         return _Reply(400, (ack.get("message") or "Flush cache failed.") + "\n")
 
-    def _health(self, query) -> _Reply:
+    def _health(self, query, raw) -> _Reply:
         return _Reply(200 if self.server.engine.health() else 503, _EMPTY)
 
-    def _health_generate(self, query) -> _Reply:
+    def _health_generate(self, query, raw) -> _Reply:
         try:
             ok = self.server.engine.health_generate()
         except Exception:  # noqa: BLE001 - any failure to generate is "unhealthy", which is the answer
             ok = False
         return _Reply(200 if ok else 503, _EMPTY)
 
-    def _model_info(self, query) -> _Reply:
+    def _model_info(self, query, raw) -> _Reply:
         info = dict(self.server.engine.model_info())
         for k in ("model_path", "served_model_name", "tokenizer_path"):
             if info.get(k) is None:
                 info[k] = ""        # strings in SGLang's contract (GetModelInfoResponse): null is a violation
         return _Reply(200, info)
 
-    def _server_info(self, query) -> _Reply:
+    def _server_info(self, query, raw) -> _Reply:
         e, info = self.server.engine, self.server.engine.model_info()
         host, port = self.server.server_address[:2]
         return _Reply(200, {
@@ -545,11 +523,19 @@ class _Handler(BaseHTTPRequestHandler):
         })
 
 
+def _takes(fn, name: str) -> bool:
+    import inspect
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 _EMPTY = object()      # a reply with no body (the health endpoints, as SGLang)
 
 
 def _weights(path: str, method: str, extra=None):
-    return lambda handler, query: handler._control(path, method, extra)
+    return lambda handler, query, raw: handler._control(path, method, raw, extra)
 
 
 # SGLang's bodies for these endpoints, plus the ack's `success`
@@ -616,13 +602,15 @@ def _version() -> str:
 
 
 def serve(engine, host: str = "127.0.0.1", port: int = 30000, token: str | None = None, *,
-          max_body_mb: int = DEFAULT_MAX_BODY_MB, on_ready: Callable[[str], None] | None = None) -> None:
+          max_body_mb: int = DEFAULT_MAX_BODY_MB, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+          group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, on_ready: Callable[[str], None] | None = None) -> None:
     """Serve `engine` until SIGTERM or SIGINT, then finish the requests in flight and return.
 
     Loopback by default; any other address needs `token` (checked as `Authorization: Bearer <token>` on every
     endpoint except GET /health). Raises ValueError when asked to serve off loopback without one.
     `on_ready(url)` is called once the socket is bound (port 0 picks a free port)."""
-    server = RolloutHTTPServer(engine, host, port, token, max_body_mb=max_body_mb)
+    server = RolloutHTTPServer(engine, host, port, token, max_body_mb=max_body_mb, read_timeout_s=read_timeout_s,
+                               group_timeout_s=group_timeout_s)
     if threading.current_thread() is not threading.main_thread():
         # signal handlers can only be set in the main thread: serve until the process ends (to stop a server
         # from code, run RolloutHTTPServer.serve_forever yourself and call shutdown())

@@ -5,17 +5,29 @@ A weight-update group is a process group of its own, not torch.distributed's def
 owns a default group (its data/tensor/pipeline ranks), and the engine may live in another process or on
 another node. Rank 0 is the trainer's sender and hosts the rendezvous store; engine ranks start at
 `rank_offset`, as in SGLang's `init_weights_update_group`.
+
+Where the group listens: torch's TCPStore binds its port on every interface whatever address it is given, and
+gloo listens on the address the host name resolves to. With a loopback `master_address` both are bound to
+loopback here instead, so a group between processes of one host opens nothing another host can reach (the
+store has no authentication). Any other address keeps torch's behaviour. NCCL's own bootstrap socket follows
+NCCL_SOCKET_IFNAME, which this module does not set.
 """
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from dsv4.rl.api import WEIGHT_DTYPES
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e8m0fnu": torch.float8_e8m0fnu, "int32": torch.int32,
           "int64": torch.int64, "uint8": torch.uint8}
+assert tuple(DTYPES) == WEIGHT_DTYPES       # the request schema's names (dsv4.rl.api) and these are one list
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -30,17 +42,53 @@ def weight_group(master_address: str, master_port: int, rank: int, world_size: i
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    local = loopback_address(master_address)
+    if rank == 0 and local is not None:
+        store = _loopback_store(local, int(master_port), world_size, timeout)
+    else:
+        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local) if local is not None
+                         else dist.ProcessGroupGloo.create_default_device()]
         return dist.ProcessGroupGloo(store, rank, world_size, opts)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+def loopback_address(host: str) -> str | None:
+    """The loopback IP `host` names (127.0.0.1, ::1, localhost), or None for any other host."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    ips = [i[4][0].split("%")[0] for i in infos]
+    if not ips or not all(ipaddress.ip_address(ip).is_loopback for ip in ips):
+        return None
+    return ips[0]
+
+
+def _loopback_store(ip: str, port: int, world_size: int, timeout: timedelta):
+    # TCPStore's own server listens on every interface: hand it a socket bound to loopback instead
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, port))
+        sock.listen(min(world_size, 1024) + 16)
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()                       # the store owns the descriptor from here
+    try:
+        return dist.TCPStore(ip, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def broadcast(group, tensor: torch.Tensor, src: int = 0) -> None:

@@ -64,7 +64,16 @@ def _curl_example(url: str, token_file: Path | None) -> str:
               help="File holding the shared secret clients send as 'Authorization: Bearer <token>' (mode 0600).")
 @click.option("--max-batch", type=click.IntRange(1), default=64, show_default=True,
               help="Most sequences decoded together; larger /generate batches run in turns.")
-def serve(model, checkpoint, overrides, seed, device, host, port, token_file, max_batch):
+@click.option("--max-body-mb", type=click.IntRange(1, 1 << 20), default=4096, show_default=True,
+              help="Largest request body (MiB); a weight bucket of N MiB is ~1.34 N MiB once base64'd.")
+@click.option("--read-timeout", type=click.FloatRange(0, 86400, min_open=True), default=60.0, show_default=True,
+              metavar="SECONDS", help="Longest silence while a client sends its request; then 408.")
+@click.option("--group-timeout", type=click.FloatRange(0, 86400, min_open=True), default=60.0, show_default=True,
+              metavar="SECONDS",
+              help="Longest a weight-update group (/init_weights_update_group) waits for its members, and each "
+                   "broadcast for its sender.")
+def serve(model, checkpoint, overrides, seed, device, host, port, token_file, max_batch, max_body_mb, read_timeout,
+          group_timeout):
     """Serve the embedded DSV4 rollout engine with SGLang's HTTP API (/generate, weight updates, health).
 
     \b
@@ -92,7 +101,8 @@ def serve(model, checkpoint, overrides, seed, device, host, port, token_file, ma
         click.echo(f"  try: {_curl_example(url, token_file)}", err=True)
 
     try:
-        serve_http(engine, host, port, token, on_ready=ready)
+        serve_http(engine, host, port, token, max_body_mb=max_body_mb, read_timeout_s=read_timeout,
+                   group_timeout_s=group_timeout, on_ready=ready)
     except OSError as e:
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}",
                           fix="pick another --port (0 picks a free one) or stop what holds it") from None
@@ -102,6 +112,7 @@ def _load_engine(model: str, checkpoint: Path | None, overrides: tuple[str, ...]
                  max_batch: int):
     import torch
 
+    from dsv4.checkpoint import CheckpointError
     from dsv4.config import ModelConfig, parse_overrides
     from dsv4.rl.engine import EmbeddedEngine
 
@@ -130,4 +141,12 @@ def _load_engine(model: str, checkpoint: Path | None, overrides: tuple[str, ...]
             raise ConfigError(f"--model-overrides {' '.join(overrides)}: {e.args[0] if e.args else e}") from None
         typed = {k: getattr(new, k) for k in parse_overrides(*overrides)}
     torch.manual_seed(seed)
-    return EmbeddedEngine.from_checkpoint(checkpoint, device=device, overrides=typed, max_batch=max_batch, seed=seed)
+    try:
+        return EmbeddedEngine.from_checkpoint(checkpoint, device=device, overrides=typed, max_batch=max_batch,
+                                              seed=seed)
+    except CheckpointError as e:
+        raise ConfigError(f"--checkpoint {checkpoint}: {e}",
+                          fix="re-download or re-convert the named file (v4 ckpt dequantize SRC DST --force)"
+                          ) from None
+    except OSError as e:
+        raise ConfigError(f"--checkpoint {checkpoint}: {e.filename or ''}: {e.strerror or e}") from None

@@ -29,6 +29,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -37,7 +38,7 @@ from dsv4.rl import sync
 from dsv4.megatron.launch import free_port
 from dsv4.rl.api import GenerateRequest, RequestError, SamplingParams
 from dsv4.rl.engine import EmbeddedEngine
-from dsv4.rl.http import (ENDPOINT_FIELDS, FRONTEND, ROUTES, EngineHTTPError, HTTPEngine, RemoteRequestError,
+from dsv4.rl.http import (ENDPOINT_BODIES, FRONTEND, ROUTES, EngineHTTPError, HTTPEngine, RemoteRequestError,
                           RolloutHTTPServer, serialize_named_tensors, serve)
 
 SGLANG = "0.5.23"
@@ -183,7 +184,7 @@ def sgl_or_reason() -> Sglang | str:
     try:
         import msgspec  # noqa: F401 - api_types.py needs it
     except ImportError:
-        return "msgspec reads SGLang's schema: pip install -e '.[test]'"
+        return "msgspec reads SGLang's schema: pip install -e ."
     try:
         wheel = _sglang_wheel()
     except _Offline as e:
@@ -411,13 +412,19 @@ def test_our_routes_and_accepted_fields_are_sglangs(sgl):
     for path, (methods, _) in ROUTES.items():
         assert path in sgl.routes, f"{path} is not an SGLang route"
         assert set(methods) == sgl.routes[path][0], (path, methods, sgl.routes[path][0])
-    for path, (cls, spec) in ENDPOINT_FIELDS.items():
+    for path, body in ENDPOINT_BODIES.items():
+        cls = body.__name__
         assert sgl.routes[path][1] == cls, f"SGLang reads {path} into {sgl.routes[path][1]}, not {cls}"
         fields = sgl.classes[cls]
+        spec = {f.name: f.required for f in msgspec.structs.fields(body)}
         assert set(spec) <= set(fields), f"{path}: {set(spec) - set(fields)} are not fields of {cls}"
         required = {f for f, req in fields.items() if req}
-        ours = {f for f, fs in spec.items() if fs.required}
+        ours = {f for f, req in spec.items() if req}
         assert ours == required, (path, ours, required)
+        assert body.ignored <= set(spec)
+    # sampling_params: SGLang's keys, and our allowed_token_ids
+    ours = set(SamplingParams.__struct_fields__) - {"allowed_token_ids"}
+    assert ours <= set(sgl.schema.SamplingParams.__struct_fields__), ours - set(sgl.schema.SamplingParams.__struct_fields__)
 
 
 def test_every_payload_the_client_sends_is_an_sglang_request(start, sgl, tmp_path):
@@ -447,7 +454,7 @@ def test_every_payload_the_client_sends_is_an_sglang_request(start, sgl, tmp_pat
     assert not answers["disk"]["success"] and "config.json" in answers["disk"]["message"]
     seen = set()
     for call in c.calls:
-        if call.path not in ENDPOINT_FIELDS:
+        if call.path not in ENDPOINT_BODIES or call.path == "/generate":
             continue
         cls = sgl.routes[call.path][1]
         fields = sgl.classes[cls]
@@ -464,7 +471,7 @@ def test_every_payload_the_client_sends_is_an_sglang_request(start, sgl, tmp_pat
         # the answer carries SGLang's output fields (success/message; num_paused_requests for disk)
         assert {f for f in sgl.classes.get(out_cls, {}) if f not in ("rid", "http_worker_ipc")} <= set(body), \
             (call.path, body)
-    assert seen == set(ENDPOINT_FIELDS)
+    assert seen == set(ENDPOINT_BODIES) - {"/generate"}
     assert json.loads(c.sent("/pause_generation")[0].body)["status"] == "ok"
     [flush] = c.sent("/flush_cache")
     assert flush.payload is None and flush.body.startswith(b"Cache flushed")    # SGLang: text, body-less
@@ -536,7 +543,7 @@ def test_unknown_fields_are_400_naming_the_field_on_every_endpoint(start, sgl):
     _field_error(sgl, st, body, "retrun_logprob")
     st, _, body = _raw(s.url + "/generate", "POST", {**base, "sampling_params": {"max_new_token": 3}})
     _field_error(sgl, st, body, "sampling_params.max_new_token")
-    for path in ENDPOINT_FIELDS:
+    for path in ENDPOINT_BODIES:
         st, _, body = _raw(s.url + path, "POST", {"weight_verison": "v1"})
         _field_error(sgl, st, body, "weight_verison")
     st, _, body = _raw(s.url + "/update_weights_from_disk", "POST", {"model_path": "/x", "weight_verison": "v1"})
@@ -554,7 +561,11 @@ def test_bad_types_and_missing_fields_are_400(start, sgl):
     s = start()
     cases = [
         ("/generate", {"input_ids": "hello"}, "input_ids"),
-        ("/generate", {"input_ids": [1, True]}, "input_ids"),
+        ("/generate", {"input_ids": [1, True]}, "input_ids[1]"),
+        ("/generate", {"input_ids": [[1], []]}, "input_ids[1]"),
+        ("/generate", {"text": "hello"}, "text"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+        ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}, {"n": 2}]}, "sampling_params[1].n"),
         ("/generate", {"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
         ("/generate", {"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
         ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1.5}}, "sampling_params.max_new_tokens"),
@@ -570,6 +581,7 @@ def test_bad_types_and_missing_fields_are_400(start, sgl):
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]}, "serialized_named_tensors[0]"),
         ("/begin_weight_update", {"selector": "draft"}, "selector"),
         ("/pause_generation", {"mode": "later"}, "mode"),
+        ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["complex64"], "shapes": [[1]]}, "dtypes[0]"),
         ("/release_memory_occupation", {"tags": "weights"}, "tags"),
     ]
     for path, payload, field in cases:
@@ -725,7 +737,8 @@ def test_v4_rl_serve_prints_a_curl_example_and_stops_on_sigterm(tmp_path):
     tok.write_text("tok-123\n")
     tok.chmod(0o600)
     p = subprocess.Popen([sys.executable, "-m", "launcher", "rl", "serve", "--port", "0", "--token-file", str(tok),
-                          "--max-batch", "4"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                          "--max-batch", "4", "--max-body-mb", "128", "--read-timeout", "30", "--group-timeout", "5"],
+                         cwd=ROOT, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         lines = []
@@ -741,7 +754,19 @@ def test_v4_rl_serve_prints_a_curl_example_and_stops_on_sigterm(tmp_path):
         assert "Authorization: Bearer $(cat" in curl and "tok-123" not in text
         r = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
         assert json.loads(r.stdout)["meta_info"]["completion_tokens"] == 8, r
-        assert HTTPEngine(url, token="tok-123").server_info()["max_batch"] == 4
+        client = HTTPEngine(url, token="tok-123")
+        assert client.server_info()["max_batch"] == 4
+        # --max-body-mb: a body over it is refused from its headers; one under it is read, and its memory given back
+        host, port = urllib.parse.urlsplit(url).netloc.split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as c:
+            c.sendall(b"POST /update_weights_from_tensor HTTP/1.0\r\nAuthorization: Bearer tok-123\r\n"
+                      + f"Content-Length: {129 << 20}\r\n\r\n".encode())
+            answer = c.makefile("rb").read()
+        assert answer.startswith(b"HTTP/1.0 413") and b"limit of 128 MiB" in answer, answer[:300]
+        rss = _rss_mb(p.pid)
+        big = client.update_weights_from_tensor([("no.such.weight", torch.zeros(8 << 20))])   # 43 MiB of base64
+        assert not big["success"] and "no.such.weight" in big["message"]
+        assert _rss_mb(p.pid) - rss < 40, (rss, _rss_mb(p.pid))
         p.send_signal(signal.SIGTERM)
         rc = p.wait(30)
         rest = p.stderr.read()
@@ -751,6 +776,13 @@ def test_v4_rl_serve_prints_a_curl_example_and_stops_on_sigterm(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def test_the_command_module_does_not_import_torch():
