@@ -53,10 +53,29 @@ class Outcome:
         return {**d, "ok": self.ok}
 
 
+# dashboards whose Ray this process has seen to be this checkout's (cluster.status: the holder of the ports and the
+# cluster id recorded at `up`); checked once a process, before the first token or job leaves for it
+_OURS: set[str] = set()
+
+
+def _check_ours(cfg, url: str) -> None:
+    if url in _OURS:
+        return
+    from launcher import cluster
+    st = cluster.status(cfg, procs=False)
+    if st.foreign:
+        raise ClusterError(f"cluster {st.cluster}: {st.foreign}; v4 does not submit to it or send it this checkout's "
+                           "token", fix=cluster._foreign_fix(cfg, st))
+    if st.gcs_ok:
+        _OURS.add(url)
+
+
 def client(cfg):
-    """A JobSubmissionClient for the cluster's dashboard (ClusterError if nothing answers)."""
+    """A JobSubmissionClient for the cluster's dashboard (ClusterError if nothing answers, or if what answers is not
+    the Ray this checkout started)."""
     from ray.job_submission import JobSubmissionClient
     url = dashboard_url(cfg)
+    _check_ours(cfg, url)
     # the token goes in this client's header, not the process environment: Ray caches a token per process, and one
     # process may talk to several clusters (each with its own)
     token = read_auth_token(cfg)

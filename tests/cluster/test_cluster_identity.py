@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, tagged_pids
-from launcher import cluster
+from launcher import cluster, jobs
 from launcher.config import Selection, resolve
 from launcher.errors import ClusterError
 from launcher.node_scripts import ray_procs
@@ -115,6 +115,12 @@ def test_up_refuses_a_strangers_ray_on_the_port_of_its_cluster_file(stranger, sh
     assert r.returncode == 5 and "is held by gcs_server pid" in r.stderr and "Traceback" not in r.stderr, r.stderr
     st = cluster.status(cfg)
     assert not st.healthy and st.foreign and st.jobs is None
+    # nor does a command that only submits (the probe job) or reads jobs, without `up` before it
+    with pytest.raises(ClusterError) as e:
+        jobs.client(cfg)
+    assert e.value.code == 5 and "is held by gcs_server pid" in e.value.message
+    r = v4(cfg, "cluster", "probe")
+    assert r.returncode == 5 and "is held by gcs_server pid" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert stranger_jobs(stranger) == []                                     # the stranger's Ray got nothing of ours
 
 
