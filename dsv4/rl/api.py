@@ -11,6 +11,9 @@ What is ours, not SGLang's:
   has no such field; against SGLang use tasks that need no restriction.
 * `routed_experts` is an int32 array in process and base64 on the wire only (`GenerateResult.to_wire`).
 * Hash-routed layers are captured too (SGLang leaves their rows zero); `model_info()["hash_layers"]` names them.
+
+Request bodies are msgspec Structs named after SGLang's classes (whose io_struct classes are msgspec Structs
+too), stricter than SGLang's: unknown fields are refused everywhere, and so is what we cannot serve exactly.
 """
 from __future__ import annotations
 

@@ -21,6 +21,12 @@ and request classes. Where it departs from SGLang, and why:
   `torch.load(weights_only=True)` so a body cannot run code. `serialize_named_tensors` makes it.
 * Auth: SGLang's `--api-key` is the same `Authorization: Bearer` header, but optional. Here a server bound to
   anything but loopback refuses to start without a token, and every endpoint except `GET /health` checks it.
+* Bodies are decoded straight from their bytes into the endpoint's schema (`ENDPOINT_BODIES`, msgspec Structs in
+  `dsv4.rl.api`), at most `max_body_mb`; a body shorter than its Content-Length is a 400, a client silent for
+  `read_timeout_s` a 408, and `server_close()` ends the requests still being sent rather than wait for them.
+* `/update_weights_from_disk` opens no file that resolves outside `model_path` (`dsv4.checkpoint.inside`).
+* `/init_weights_update_group`: a server on loopback refuses a `master_address` off loopback (the group's store
+  listens unauthenticated; see `dsv4.rl.sync`), and every group waits at most `group_timeout_s`.
 * torch's out-of-memory error during /generate answers 503 and the server keeps serving; so does a generate
   while the weights are released (`api.EngineUnavailable`).
 * `/pause_generation` and `/continue_generation` answer SGLang's `{"message", "status": "ok"}` plus `success`;
