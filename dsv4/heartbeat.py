@@ -8,8 +8,9 @@ order, so a mark's sequence number `seq` compares ranks: when no file changes fo
 `seq` is the one the others wait for. The record carries what it takes to look inside the process from outside
 (pid, host, the address that reaches the rendezvous, the interpreter, next to which py-spy lives).
 
-A mark is a rename of a ~250-byte file, without fsync (a heartbeat lost to a crash means nothing): tens of
-microseconds on a local disk, a round trip on a network filesystem, against steps of seconds.
+A mark is a rename of a ~250-byte file, without fsync (a heartbeat lost to a crash means nothing): 0.28 ms on this
+machine's ext4 (5,000 marks), where renaming over a file flushes it; a round trip on a network filesystem. Four marks
+a step against steps of a second or more.
 
 Test hook: `plant="RANK:STEP[:PHASE]"` makes that rank sleep, without end, just before it would mark PHASE
 (default `reduce_losses`: the loss all-reduce) of optimizer step STEP -- its peers then wait in that collective.

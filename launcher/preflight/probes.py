@@ -109,7 +109,8 @@ def _pair(cfg, ctx, python: str, args: dict, a, b) -> dict:
     """nccl_bw.py on node a (rank 0, the rendezvous on a port free there) and node b at once."""
     out = {"nodes": [a.name, b.name], "gpus": args["gpus"], "world": 2 * args["gpus"], "bytes": args["bytes"],
            "seconds": None, "busbw_gbps": None, "error": ""}
-    free = f"{shlex.quote(python)} -c \"import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])\""
+    free = (f"{shlex.quote(python)} -c "
+            + shlex.quote("import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"))
     try:
         r = a.run(free, timeout=30)
         port = int(r.stdout.strip().splitlines()[-1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -25,7 +26,9 @@ def measure(cfg):
     with opened(cfg) as nodes:
         ctx = gather(cfg, nodes, [], measure_nccl=False, measure_gpu=False, measure_pairs=False)
         assert not ctx.errors, ctx.errors
+        t0 = time.monotonic()
         ctx.pairs = nccl_pairs(cfg, nodes, ctx, python_on_nodes(cfg), args=GLOO)
+        print(f"3 pairs in 3 rounds: {time.monotonic() - t0:.1f} s")
     return ctx, {n: CHECKS["nccl_pairs"].judge(n, ctx) for n in ctx.order}
 
 

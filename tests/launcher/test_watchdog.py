@@ -163,3 +163,10 @@ def test_for_job_is_off_without_a_timeout_and_clears_old_heartbeats(tmp_path):
     assert watchdog.for_job(on, None) is None
     dog = watchdog.for_job(on, tmp_path, fresh=True)
     assert dog.timeout_s == 5 and not list((tmp_path / "heartbeat").iterdir())
+
+
+def test_a_resume_may_change_the_hang_timeout():
+    """The hang timeout is operational, like PRESET_JOB_TIMEOUT: a run that hung resumes with a longer one."""
+    from launcher.registry import RESUME_SAME
+    assert "PRESET_HANG_TIMEOUT" not in RESUME_SAME and "PRESET_JOB_TIMEOUT" not in RESUME_SAME
+    assert "PRESET_PLANT_HANG" in RESUME_SAME         # a fault injection changes what the run does, as PLANT_NAN
