@@ -60,7 +60,16 @@ class RunContext:
     def write_metrics(self, row: dict) -> None:
         """One step's row: a line of metrics.jsonl, the same numbers as TensorBoard scalars under RUN/tb
         (`tensorboard --logdir V4_OUT` shows every run) and, where V4_WANDB_PROJECT names a project, as a
-        Weights & Biases step. W&B is a copy: when it fails, training goes on without it (`_wandb_off`)."""
+        Weights & Biases step. W&B is a copy: when it fails, training goes on without it (`_wandb_off`).
+        A job's first row supersedes what an earlier job of the run wrote from that step on (it resumed from the
+        checkpoint before them: those steps run again) -- moved to metrics.superseded.jsonl, never twice in
+        metrics.jsonl. A restarted job's rows carry `restarts`, the run's restarts before it (launcher/recovery.py)."""
+        if "step" in row and not getattr(self, "_superseded", False):
+            self._superseded = True
+            supersede_metrics(self.metrics_path, int(row["step"]))
+        restarts = int(os.environ.get("V4_RESTARTS") or 0)
+        if restarts:
+            row = {**row, "restarts": restarts}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         scalars = {k: v for k, v in row.items()
@@ -163,6 +172,40 @@ class RunContext:
 
 
 @dataclass(frozen=True)
+SUPERSEDED = "metrics.superseded.jsonl"
+
+
+def supersede_metrics(path: Path, from_step: int) -> int:
+    """Move the rows of metrics file `path` at step >= `from_step` (an earlier job's, past the checkpoint this one
+    resumed from), and any line that is not a row (a job killed mid-write leaves half a line), to SUPERSEDED beside
+    it, each with when and by which attempt; how many lines moved."""
+    try:
+        lines = [raw for raw in Path(path).read_bytes().split(b"\n") if raw.strip()]
+    except FileNotFoundError:
+        return 0
+    keep, gone = [], []
+    for raw in lines:
+        try:
+            step = json.loads(raw).get("step")
+        except (ValueError, AttributeError):
+            step = None
+        (keep if isinstance(step, int) and not isinstance(step, bool) and step < from_step else gone).append(raw)
+    if not gone:
+        return 0
+    note = {"superseded_at": time.time(), "by_attempt": int(os.environ.get("V4_STEP_ATTEMPT") or 0),
+            "resumed_at_step": from_step}
+    with open(Path(path).with_name(SUPERSEDED), "a") as f:
+        for raw in gone:
+            try:
+                f.write(json.dumps({**json.loads(raw), **note}) + "\n")
+            except (ValueError, TypeError):
+                f.write(json.dumps({"line": raw.decode("utf-8", "replace"), **note}) + "\n")
+    atomic_write(path, b"\n".join(keep).decode("utf-8", "replace") + ("\n" if keep else ""))
+    log(f"metrics: {len(gone)} row(s) from step {from_step} on, written by an earlier job of this run, superseded "
+        f"(moved to {Path(path).with_name(SUPERSEDED)})")
+    return len(gone)
+
+
 class Paths:
     hf_dir: Path
     bf16_dir: Path

@@ -12,18 +12,20 @@ world starts one Ray actor per rank (dsv4.megatron.launch). Writes:
 Exit codes: 0 done, 1 failed, 2 bad configuration, 16 non-finite loss or gradient.
 A re-run continues from the latest checkpoint; a finished run (sentinel present) is skipped.
 Test hooks (environment): V4_PLANT_NAN="MODULE:STEP[:forward|backward][@COND,...]", V4_KILL_AT_STEP=N;
-(config) PRESET_PLANT_HANG="RANK:STEP" makes a rank sleep before a collective (the hang watchdog's test).
+(config) PRESET_PLANT_HANG="RANK:STEP[@once]" makes a rank sleep before a collective (the hang watchdog's test).
 With PRESET_HANG_TIMEOUT > 0 every rank keeps a heartbeat under DIR/heartbeat/ (dsv4/heartbeat.py) that the
 launcher's watchdog reads (launcher/watchdog.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.common import RunContext, done, fingerprint, foreign_sft_data, log, mark_done, ranks_local
+from jobs.common import (RunContext, done, fingerprint, foreign_sft_data, log, mark_done, ranks_local,
+                         with_compile_cache)
 
 VAL_FRACTION = 0.1      # held-out share of the SFT rows (jobs.evaluate scores it)
 DATA_SEED_OFFSET = 17   # the data order's seed differs from the weights' seed
@@ -128,9 +130,18 @@ def watched(tc, ctx: RunContext, rank: int, world: int, master_addr: str):
     from dsv4.heartbeat import HEARTBEAT_DIR, Heartbeat, collective_timeout_s
     hang_s = float(ctx.cfg.get("PRESET_HANG_TIMEOUT") or 0)
     tc = dataclasses.replace(tc, heartbeat_dir=str(ctx.run_dir / HEARTBEAT_DIR) if hang_s > 0 else "",
-                             plant_hang=str(ctx.cfg.get("PRESET_PLANT_HANG") or ""))
+                             plant_hang=planted_hang(ctx.cfg))
     Heartbeat(tc.heartbeat_dir, rank, world, master_addr, plant=tc.plant_hang).mark(0, "start")
     return tc, collective_timeout_s(str(ctx.cfg.get("HW_DIST_BACKEND") or "gloo"), hang_s)
+
+
+def planted_hang(cfg: dict) -> str:
+    """PRESET_PLANT_HANG as the heartbeat takes it: "RANK:STEP[:PHASE]" hangs every job of the step, with "@once" only
+    its first (V4_STEP_ATTEMPT 0: a restart then goes through, launcher/recovery.py)."""
+    spec = str(cfg.get("PRESET_PLANT_HANG") or "")
+    if spec.endswith("@once"):
+        return "" if int(os.environ.get("V4_STEP_ATTEMPT") or 0) else spec[:-len("@once")]
+    return spec
 
 
 def worker(rank: int, world: int, master_addr: str, master_port: int, job: SFTJob) -> int:
@@ -138,6 +149,7 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: SFTJo
     from dsv4.megatron.train import quiet_libraries
     quiet_libraries()
     ctx = RunContext.load(job.run_dir)           # also exports the socket interface for gloo/NCCL
+    on_metrics = with_compile_cache(ctx.write_metrics)      # counted before anything compiles
     from dsv4.megatron.parallel import init_parallel
     from dsv4.megatron.train import Outputs, init_distributed, run_sft
     tc, pg_timeout_s = watched(job.tc, ctx, rank, world, master_addr)
@@ -149,7 +161,7 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: SFTJo
                   init_checkpoint=torch_dist if torch_dist and done(torch_dist) else None,
                   reload_check=step_dir / "reload_check.json", nonfinite=step_dir / "nonfinite.json")
     rows_per_rank = tc.global_batch_size // (world // (tc.layout.tp * tc.layout.pp * tc.layout.cp))
-    return run_sft(tc, job.data.step_batches(rows_per_rank), out, on_metrics=ctx.write_metrics, log=log)
+    return run_sft(tc, job.data.step_batches(rows_per_rank), out, on_metrics=on_metrics, log=log)
 
 
 def main(argv=None) -> int:

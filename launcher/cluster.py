@@ -236,7 +236,17 @@ def _node_env(cfg) -> dict[str, str]:
     if str(cfg["V4_MASTER_IP"]).startswith("127."):
         # Otherwise Ray silently advertises the default-route address instead of loopback.
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    env.update(health_check_env(float(cfg["V4_NODE_DEAD_TIMEOUT"])))
     return env
+
+
+def health_check_env(dead_after_s: float) -> dict[str, str]:
+    """The GCS's health checks of the raylets (RayConfig, read from the environment of `ray start`), so that a node
+    that stops answering is declared DEAD after `dead_after_s` (V4_NODE_DEAD_TIMEOUT; docs/resilience.md): five
+    failed checks a period apart, each waiting a period -- a killed raylet (refused at once) is dead in half that."""
+    period_ms = max(100, int(dead_after_s * 1000 / 10))
+    return {"RAY_health_check_period_ms": str(period_ms), "RAY_health_check_timeout_ms": str(period_ms),
+            "RAY_health_check_failure_threshold": "5"}
 
 
 def same_path_mounted(path: str, mounts: list[str]) -> bool:
@@ -327,6 +337,7 @@ class ClusterStatus:
     foreign: str = ""                                        # what answers on our ports instead of our Ray
     foreign_port: int = 0                                    # the port it holds
     foreign_cluster_id: bool = False                         # held by our processes, but not the cluster id recorded
+    left_out: list[dict] = field(default_factory=list)       # nodes runs left out (launcher/recovery.py): ip, why, run
 
     @property
     def healthy(self) -> bool:
@@ -441,6 +452,8 @@ def _status(cfg, nodes: list[Node], procs: bool) -> ClusterStatus:
     else:
         gcs = {"gcs_ok": False, "error": "head unreachable", "nodes": []}
     _judge(cfg, st, gcs)
+    from launcher.recovery import quarantined
+    st.left_out = [e.model_dump() for ip, e in quarantined(cfg).items() if ip in cfg.nodes]
     return st
 
 

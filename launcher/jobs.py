@@ -34,13 +34,14 @@ def _stderr(msg: str) -> None:
 @dataclass
 class Outcome:
     submission_id: str
-    status: str                 # SUCCEEDED | FAILED | STOPPED | TIMEOUT | HUNG (launcher/watchdog.py)
+    status: str                 # SUCCEEDED | FAILED | STOPPED | TIMEOUT | HUNG (launcher/watchdog.py) | NODE_LOST
     exit_code: int | None
     elapsed_s: float
     message: str
     log_path: str
     log_tail: str
     hang: dict | None = None    # HUNG: launcher.watchdog.Hang (the rank(s) behind, where the stacks are)
+    lost: dict | None = None    # NODE_LOST: launcher.recovery.Lost (the nodes the GCS declared dead)
 
     @property
     def ok(self) -> bool:
@@ -109,7 +110,7 @@ def submit(cfg, job, c=None, progress: Progress = _stderr) -> str:
         sid = f"{job.submission_id}-r{attempt}"          # Ray never reuses a submission id
     c.submit_job(entrypoint=job.entrypoint, submission_id=sid, runtime_env=job.runtime_env,
                  entrypoint_num_cpus=job.entrypoint_num_cpus, entrypoint_num_gpus=job.entrypoint_num_gpus,
-                 metadata={"v4": "1"})
+                 entrypoint_resources=getattr(job, "entrypoint_resources", None) or None, metadata={"v4": "1"})
     progress(f"job {sid}: submitted to {dashboard_url(cfg)}")
     return sid
 
@@ -140,16 +141,23 @@ def _follow_quietly(c, sid, sink, stop) -> None:
 
 
 def wait(cfg, sid: str, timeout_s: float, log_path: Path | str | None = None, c=None,
-         progress: Progress = _stderr, echo: bool = True, run_dir: Path | str | None = None) -> Outcome:
+         progress: Progress = _stderr, echo: bool = True, run_dir: Path | str | None = None,
+         watch=None) -> Outcome:
     """Follow job `sid` until it ends or `timeout_s` passes (then it is stopped: TIMEOUT). With `run_dir`, the hang
-    watchdog (launcher/watchdog.py) reads its ranks' heartbeats meanwhile: a hang is stopped too (HUNG, exit 124)."""
+    watchdog (launcher/watchdog.py) reads its ranks' heartbeats meanwhile: a hang is stopped too (HUNG, exit 124).
+    With `watch` (launcher.recovery.NodeWatch), a node the GCS declares dead stops it (NODE_LOST, the nodes named).
+    A head that stops answering -- the Jobs API, or the watch's query -- for V4_NODE_DEAD_TIMEOUT raises
+    recovery.HeadLost (exit 5), which names it, instead of the HTTP library's traceback."""
     from launcher import watchdog
+    from launcher.recovery import HeadLost
     c = c or client(cfg)
     dog = watchdog.for_job(cfg, run_dir, progress)
-    hang = None
+    hang = lost = None
     t0 = time.monotonic()
     stop = threading.Event()
     pending = [""]
+    grace = float(cfg.get("V4_NODE_DEAD_TIMEOUT") or 30)
+    failing_since = None
 
     def sink(chunk: str) -> None:
         if echo:
@@ -160,46 +168,84 @@ def wait(cfg, sid: str, timeout_s: float, log_path: Path | str | None = None, c=
 
     streamer = threading.Thread(target=_follow_quietly, args=(c, sid, sink, stop), daemon=True)
     streamer.start()
-    status, timed_out = "PENDING", False
-    while True:
-        info = c.get_job_info(sid)
-        status = info.status.value
-        if status in TERMINAL:
-            break
-        if dog is not None and (hang := dog.poll()) is not None:
-            progress(f"job {sid}: hung; stopping it")
-        if hang is not None or time.monotonic() - t0 > timeout_s:
-            timed_out = hang is None
-            if timed_out:
-                progress(f"job {sid}: still {status} after {timeout_s:g} s; stopping it")
-            c.stop_job(sid)
-            for _ in range(30):
-                info = c.get_job_info(sid)
-                if info.status.value in TERMINAL:
+    status, timed_out, info = "PENDING", False, None
+    try:
+        while True:
+            if watch is not None and (lost := watch.poll()) is not None:
+                progress(f"job {sid}: {lost.message}; stopping it (its ranks elsewhere would wait for the lost ones)")
+            elif watch is not None and not watch.answering:
+                time.sleep(1.0)      # the Jobs API would block for a minute on a head whose GCS is gone
+                continue
+            else:
+                try:
+                    info = c.get_job_info(sid)
+                    failing_since = None
+                except (OSError, RuntimeError) as e:     # requests' errors are OSErrors; HTTP 5xx a RuntimeError
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if now - failing_since >= grace:
+                        raise HeadLost(f"the Ray Jobs API at {dashboard_url(cfg)} has not answered about job {sid} "
+                                       f"for {now - failing_since:.0f} s (V4_NODE_DEAD_TIMEOUT={grace:g}): "
+                                       f"{type(e).__name__}: {str(e)[:200]}; the head's GCS or dashboard is gone, "
+                                       "and the job with them",
+                                       fix="`v4 cluster status` shows what is left; `v4 cluster up` starts the head "
+                                           "again; then resume the run") from None
+                    time.sleep(1.0)
+                    continue
+                status = info.status.value
+                if status in TERMINAL:
                     break
-                time.sleep(1)
-            break
-        time.sleep(1.0)
-    stop.set()
+                if dog is not None and (hang := dog.poll()) is not None:
+                    progress(f"job {sid}: hung; stopping it")
+            if lost is not None or hang is not None or time.monotonic() - t0 > timeout_s:
+                timed_out = hang is None and lost is None
+                if timed_out:
+                    progress(f"job {sid}: still {status} after {timeout_s:g} s; stopping it")
+                info = _stop_and_wait(c, sid) or info
+                break
+            time.sleep(1.0)
+    finally:
+        stop.set()
     streamer.join(timeout=5)
-    logs = c.get_job_logs(sid)
+    try:
+        logs = c.get_job_logs(sid)
+    except (OSError, RuntimeError) as e:
+        logs = f"(the job's log could not be read: {type(e).__name__}: {str(e)[:200]})\n"
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         Path(log_path).write_text(logs)
     code = getattr(info, "driver_exit_code", None)
-    return Outcome(submission_id=sid, status="HUNG" if hang else "TIMEOUT" if timed_out else info.status.value,
-                   exit_code=124 if timed_out or hang else code, elapsed_s=round(time.monotonic() - t0, 2),
-                   message=hang.message if hang else info.message or "", log_path=str(log_path or ""),
-                   log_tail="\n".join(logs.splitlines()[-40:]), hang=hang.model_dump() if hang else None)
+    st = "NODE_LOST" if lost else "HUNG" if hang else "TIMEOUT" if timed_out else info.status.value
+    msg = lost.message if lost else hang.message if hang else (info.message or "")
+    return Outcome(submission_id=sid, status=st, exit_code=124 if timed_out or hang else None if lost else code,
+                   elapsed_s=round(time.monotonic() - t0, 2), message=msg, log_path=str(log_path or ""),
+                   log_tail="\n".join(logs.splitlines()[-40:]), hang=hang.model_dump() if hang else None,
+                   lost=lost.to_json() if lost else None)
 
 
-def submit_and_wait(cfg, job, log_path: Path | str | None = None, progress: Progress = _stderr) -> Outcome:
+def _stop_and_wait(c, sid: str, wait_s: int = 30):
+    """Ask Ray to stop job `sid` and wait (up to `wait_s`) until it is over; its last info (None if none came)."""
+    info = None
+    try:
+        c.stop_job(sid)
+        for _ in range(wait_s):
+            info = c.get_job_info(sid)
+            if info.status.value in TERMINAL:
+                break
+            time.sleep(1)
+    except (OSError, RuntimeError):
+        pass
+    return info
+
+
+def submit_and_wait(cfg, job, log_path: Path | str | None = None, progress: Progress = _stderr,
+                    watch=None) -> Outcome:
     from launcher import watchdog
     c = client(cfg)
     run_dir = job.runtime_env.get("env_vars", {}).get("V4_RUN_DIR")
     watchdog.clear(run_dir)           # before the job starts: an earlier job's heartbeats are not this one's
     sid = submit(cfg, job, c, progress)
-    return wait(cfg, sid, job.timeout_s, log_path, c, progress, run_dir=run_dir)
+    return wait(cfg, sid, job.timeout_s, log_path, c, progress, run_dir=run_dir, watch=watch)
 
 
 def job_status(cfg, sid: str, c=None) -> str | None:

@@ -7,8 +7,9 @@ NaN is a finding, not a malformed line). Keys it does not declare are kept as th
 
 A line that is not UTF-8, not JSON, not an object, or not a valid row is not fatal (a job killed mid-write leaves a
 truncated last line); it is kept as a `BadLine` with its file:line and why, so that every reader can say how much of
-the file its verdict stands on. A resumed run repeats the steps after its checkpoint: the last row of a step is the
-one the run kept.
+the file its verdict stands on. A resumed or restarted job repeats the steps after its checkpoint; its first row moves
+the earlier job's rows of those steps to metrics.superseded.jsonl (jobs/common.py), so each step has one row here (and
+were a file written otherwise to hold two, the last row of a step is the one the run kept).
 """
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ class MetricsRow(BaseModel):
     model_tflops: float | None = None
     mfu: float | None = None
     mtp_loss: float | None = None
+    # the train job's first row: what its first step found in the compile cache (dsv4/procenv.py CacheReport)
+    compile_cache: str | None = None            # cold | warm | partial
+    compile_cache_entries: int | None = None    # entries there before it
+    compile_cache_new: int | None = None        # entries it compiled
+    restarts: int | None = None         # a restarted job's rows: the run's restarts before it (launcher/recovery.py)
     # RL
     reward_mean: float | None = None
     reward_std: float | None = None

@@ -75,10 +75,12 @@ def check_available(plan: Plan) -> None:
 
 
 def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=False, as_json=False,
-            restart_running=False) -> None:
+            restart_running=False, exclude_bad_nodes=False) -> None:
     """Run `plan` (or with `resume`, continue its run). A job an earlier attempt left alive is followed to its end;
-    with `restart_running` it is stopped first and its step runs anew (resume_action)."""
-    from launcher import cluster, jobs, registry
+    with `restart_running` it is stopped first and its step runs anew (resume_action). With `exclude_bad_nodes`,
+    nodes that fail preflight are left out instead of stopping the run; a lost node or a hung step is restarted within
+    PRESET_MAX_RESTARTS (launcher/recovery.py), and the plan's values follow the nodes the run has."""
+    from launcher import cluster, jobs, recovery, registry
 
     if cfg["V4_EXECUTOR"] == "ray":
         quiet_ray_sdk()
@@ -86,18 +88,31 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
     check_available(plan)
     check_stage_order(cfg, force, skip_checks)
     _check_skip_names(skip_checks)
+    base = cfg                      # as resolved from the files: what every smaller cluster is derived from
+    if resume:
+        # the nodes this run left out stay out, its standbys in: its world is what it was when it stopped
+        cfg, plan = _as_recorded(cfg, plan, skip_checks)
     run = registry.open_run(cfg, plan, force) if resume else registry.create_run(cfg, plan, argv=sys.argv)
+    recov = recovery.Recovery(base, run, skip_checks, say)
     # The single record of what this run was asked to do; every job reads it.
     run.write_json("config.json", {"values": cfg.job_values()}, private=True)
+    if resume:
+        run.write_json("plan.json", plan.to_json())
     say(f"run {plan.run_id}: {run.dir}")
-    resume_cmd = rerun_command(cfg, f"--resume {plan.run_id}", skip_checks=skip_checks, force=force)
+    resume_cmd = rerun_command(cfg, f"--resume {plan.run_id}" + (" --exclude-bad-nodes" if exclude_bad_nodes else ""),
+                               skip_checks=skip_checks, force=force)
     t0 = time.time()
     try:
         with _signals_as_interrupt(), _rollout_scope(cfg) as rollout_live:
-            for step in plan.steps:
+            i = 0
+            while i < len(plan.steps):     # by position: a smaller cluster rebuilds the plan (same steps, new values)
+                step = plan.steps[i]
+                i += 1
                 _check_not_stopped(run, resume_cmd)
                 if step.kind == "preflight":
-                    _preflight(cfg, run, step, skip_checks)
+                    new = _preflight(cfg, run, step, skip_checks, recov if exclude_bad_nodes else None)
+                    if new is not cfg:
+                        cfg, plan = new, _adopt(run, new)
                 elif step.kind == "cluster":
                     say(f"[cluster] bringing up Ray on {len(cfg.nodes)} node(s) (no-op when healthy)")
                     run.set_step(step.name, "running")
@@ -106,7 +121,9 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
                 elif step.kind == "rollout":
                     _rollout(cfg, run, step, rollout_live)
                 elif step.kind == "job":
-                    _job(cfg, run, step, jobs, resume_cmd, restart_running)
+                    new = _job(cfg, run, step, jobs, resume_cmd, restart_running, recov)
+                    if new is not cfg:
+                        cfg, plan = new, recov.plan
                 elif step.kind == "gates":
                     _gates(cfg, run, plan)
             _check_not_stopped(run, resume_cmd)
@@ -288,8 +305,36 @@ def _check_skip_names(skip_checks) -> None:
     select_checks(skip=tuple(skip_checks))     # a usage error (with did-you-mean) on an unknown name
 
 
-def _preflight(cfg, run, step: Step, skip_checks) -> None:
-    from launcher import preflight
+def _as_recorded(cfg, plan: Plan, skip_checks) -> tuple:
+    """A resumed run's configuration and plan for the nodes its record says it has (launcher/recovery.py)."""
+    from launcher import plan as planning
+    from launcher import recovery, registry
+
+    run = registry.find_run(cfg, plan.run_id)
+    rec = recovery.run_record(run)
+    if not rec.left_out and not rec.standby_in:
+        return cfg, plan
+    new = recovery.Recovery(cfg, run, skip_checks, say).current()
+    say(f"resume: run {run.id} goes on without " + ", ".join(f"{e.ip} ({e.by})" for e in rec.left_out)
+        + (f", with standby {', '.join(rec.standby_in)}" if rec.standby_in else "")
+        + f": {len(new.nodes)} node(s), world {new['WORLD_SIZE']}")
+    return new, planning.build(new, run_id=plan.run_id)
+
+
+def _adopt(run, cfg) -> Plan:
+    """The plan for `cfg` (a smaller cluster), written with its config.json: what every later job reads."""
+    from launcher import plan as planning
+
+    plan = planning.build(cfg, run_id=run.id)
+    run.write_json("config.json", {"values": cfg.job_values()}, private=True)
+    run.write_json("plan.json", plan.to_json())
+    return plan
+
+
+def _preflight(cfg, run, step: Step, skip_checks, recov=None):
+    """Preflight on every node; the configuration to go on with: `cfg`, or with `recov` (--exclude-bad-nodes) the one
+    without the nodes that failed (PreflightError when that cannot be)."""
+    from launcher import preflight, recovery
 
     say(f"[preflight] {len(cfg.nodes)} node(s)")
     run.set_step(step.name, "running")
@@ -301,14 +346,26 @@ def _preflight(cfg, run, step: Step, skip_checks) -> None:
     skipped = sorted({r.name for r in preflight.failed(results, strict)} - {r.name for r in failing})
     if skipped:
         say(f"[preflight] going on despite {', '.join(skipped)} (--skip-check)")
+    if failing and recov is not None:
+        try:
+            new = recov.leave_out(cfg, results, failing)
+        except PreflightError:
+            run.set_step(step.name, "failed")
+            raise
+        recovery.readmit(cfg, [n for n in new.nodes if n in cfg.nodes], say)
+        run.set_step(step.name, "done", left_out=sorted({r.node for r in failing}))
+        return new
     if failing:
         run.set_step(step.name, "failed")
         names = sorted({r.name for r in failing})
         raise PreflightError(
             f"preflight: {len(failing)} failing check(s): "
             + "; ".join(f"{r.name} on {r.node}: {r.detail}" for r in failing[:5]),
-            fix=(failing[0].fix or "") + f"   (or skip: {' '.join('--skip-check ' + n for n in names)})")
+            fix=(failing[0].fix or "") + f"   (or skip: {' '.join('--skip-check ' + n for n in names)}; or leave "
+                                         "the failing nodes out: --exclude-bad-nodes)")
+    recovery.readmit(cfg, cfg.nodes, say)
     run.set_step(step.name, "done")
+    return cfg
 
 
 # What to do with the job an earlier attempt of this run left behind (the launcher was interrupted or killed).
@@ -420,11 +477,15 @@ def _wait_until(pred, timeout_s: float, poll_s: float = 0.5) -> bool:
     return True
 
 
-def _job(cfg, run, step: Step, jobs, resume_cmd: str = "", restart_running: bool = False) -> None:
+def _job(cfg, run, step: Step, jobs, resume_cmd: str = "", restart_running: bool = False, recov=None):
+    """Run (or follow, or take the result of) the step's job; with `recov`, a job ended by a lost node or a hang runs
+    again within PRESET_MAX_RESTARTS (launcher/recovery.py). The configuration to go on with: `cfg`, or the one for
+    the smaller cluster a restart left."""
+    from launcher import recovery
     status = run.step_status(step.name)
     if status.get("status") == "done":
         say(f"[{step.name}] done in an earlier attempt of this run; skipped")
-        return
+        return cfg
     say(f"[{step.name}] {step.doc}")
     log = run.step_log(step.name)
     local = cfg["V4_EXECUTOR"] == "local"
@@ -446,37 +507,35 @@ def _job(cfg, run, step: Step, jobs, resume_cmd: str = "", restart_running: bool
         _stop_earlier(cfg, run, step, status, jobs)
         status = run.step_status(step.name)
         action = NEW
-    if action in (FOLLOW, COLLECT):
-        say(f"[{step.name}] job {sid} of an earlier attempt is {state}: "
-            + ("following it, not starting another" if action == FOLLOW else "taking its result"))
-        # the step is this attempt's again (`v4 runs stop` and `runs logs -f` look for running steps); its
-        # PRESET_JOB_TIMEOUT counts from when that job started, not from this resume
-        started = status.get("started_at") or time.time()
-        run.set_step(step.name, "running", started_at=started, finished_at=None)
-        left = max(step.job.timeout_s - (time.time() - started), 1.0)
-        if local:
-            outcome = follow_local(status, run.dir, log, left, on_stop=lambda: run.set_step(
-                step.name, "running", stop_requested=True))
+    try:
+        if action in (FOLLOW, COLLECT):
+            say(f"[{step.name}] job {sid} of an earlier attempt is {state}: "
+                + ("following it, not starting another" if action == FOLLOW else "taking its result"))
+            # the step is this attempt's again (`v4 runs stop` and `runs logs -f` look for running steps); its
+            # PRESET_JOB_TIMEOUT counts from when that job started, not from this resume
+            started = status.get("started_at") or time.time()
+            run.set_step(step.name, "running", started_at=started, finished_at=None)
+            left = max(step.job.timeout_s - (time.time() - started), 1.0)
+            if local:
+                outcome = follow_local(status, run.dir, log, left, on_stop=lambda: run.set_step(
+                    step.name, "running", stop_requested=True))
+            else:
+                outcome = jobs.wait(cfg, sid, left, log_path=log, progress=say, run_dir=run.dir,
+                                    watch=recovery.node_watch(cfg))
         else:
-            outcome = jobs.wait(cfg, sid, left, log_path=log, progress=say, run_dir=run.dir)
-    else:
-        attempts = len(status.get("submission_ids", []))
-        if attempts:
-            # Ray keeps finished submissions: a resumed step needs a fresh id
-            step.job.submission_id = f"{step.job.submission_id}-r{attempts}"
-        # pgid/host and the outcome fields: an earlier attempt's are not this attempt's
-        run.set_step(step.name, "running", submission_id=step.job.submission_id, pgid=None, host=None,
-                     job_status=None, exit_code=None, ok=None, stop_requested=None, finished_at=None)
-        if local:
-            # recorded so that `v4 runs stop` (another process) can stop the job's whole process group
-            def started(pgid: int) -> None:
-                run.set_step(step.name, "running", pgid=pgid, host=socket.gethostname())
-
-            def stopping() -> None:   # before its group gets SIGTERM: a resume must not wait for what it saves then
-                run.set_step(step.name, "running", stop_requested=True)
-            outcome = run_local(cfg, step.job, log, on_start=started, on_stop=stopping)
-        else:
-            outcome = jobs.submit_and_wait(cfg, step.job, log_path=log, progress=say)
+            outcome = _new_job(cfg, run, step, log, jobs)
+        # a job ended by a lost node or a hang: the step again, from its last checkpoint, within the budget
+        while not outcome.ok and recov is not None and not run.stopped:
+            run.set_step(step.name, "failed", **outcome.to_json())
+            again = recov.restart(cfg, step, outcome)
+            if again is None:
+                break
+            cfg, step = again.cfg, again.step
+            outcome = _new_job(cfg, run, step, log, jobs)
+            recov.started(outcome.submission_id)
+    except recovery.HeadLost:
+        run.set_step(step.name, "failed", job_status="HEAD_LOST", ok=False)
+        raise
     if not outcome.ok and run.stopped:   # `v4 runs stop` ended the job: its failure is the stop, not the step's
         run.set_step(step.name, "stopped", **outcome.to_json())
         _check_not_stopped(run, resume_cmd)
@@ -485,7 +544,9 @@ def _job(cfg, run, step: Step, jobs, resume_cmd: str = "", restart_running: bool
         _plot_metrics(run)
     if outcome.ok:
         say(f"[{step.name}] done in {outcome.elapsed_s:.0f} s")
-        return
+        return cfg
+    # why a lost node or a hang was not restarted (the budget spent, the layout that no longer fits, the head)
+    unrestarted = f"; {recov.note}" if recov is not None and recov.note else ""
     tail = "\n    ".join(outcome.log_tail.splitlines()[-15:])
     if outcome.exit_code == NONFINITE:
         nf = run.dir / "steps" / step.name / "nonfinite.json"
@@ -498,11 +559,38 @@ def _job(cfg, run, step: Step, jobs, resume_cmd: str = "", restart_running: bool
                                  f"{' '.join(['v4 nan bisect', run.id, *config_flags(cfg)])}")
     if outcome.hang:                   # the hang watchdog stopped it (launcher/watchdog.py)
         from launcher import watchdog
-        raise watchdog.hang_error(step.name, outcome.hang)
+        e = watchdog.hang_error(step.name, outcome.hang)
+        e.message += unrestarted
+        raise e
     if outcome.exit_code == TIMEOUT or outcome.status == "TIMEOUT":
         raise Timeout(f"{step.name}: no result within {step.job.timeout_s:.0f} s (PRESET_JOB_TIMEOUT)")
     why = f"exit code {outcome.exit_code}" if outcome.exit_code is not None else outcome.message or "no exit code"
-    raise JobError(f"{step.name}: job {outcome.status} ({why})\n    {tail}", fix=f"full log: {log}")
+    raise JobError(f"{step.name}: job {outcome.status} ({why}){unrestarted}\n    {tail}", fix=f"full log: {log}")
+
+
+def _new_job(cfg, run, step: Step, log: Path, jobs):
+    """A new job for `step` (under a fresh id when the step had jobs before: Ray never reuses one), followed to its
+    end: the local executor's process group, or a Ray job with its nodes watched (launcher/recovery.py)."""
+    from launcher import recovery
+    status = run.step_status(step.name)
+    attempts = len(status.get("submission_ids", []))
+    if attempts:
+        # Ray keeps finished submissions: a resumed step needs a fresh id
+        step.job.submission_id = f"{step.job.submission_id}-r{attempts}"
+    recovery.mark_restart(step.job, len(recovery.run_record(run).restarts), attempts)
+    # pgid/host and the outcome fields: an earlier attempt's are not this attempt's
+    run.set_step(step.name, "running", submission_id=step.job.submission_id, pgid=None, host=None,
+                 job_status=None, exit_code=None, ok=None, stop_requested=None, finished_at=None, hang=None,
+                 lost=None)
+    if cfg["V4_EXECUTOR"] == "local":
+        # recorded so that `v4 runs stop` (another process) can stop the job's whole process group
+        def started(pgid: int) -> None:
+            run.set_step(step.name, "running", pgid=pgid, host=socket.gethostname())
+
+        def stopping() -> None:   # before its group gets SIGTERM: a resume must not wait for what it saves then
+            run.set_step(step.name, "running", stop_requested=True)
+        return run_local(cfg, step.job, log, on_start=started, on_stop=stopping)
+    return jobs.submit_and_wait(cfg, step.job, log_path=log, progress=say, watch=recovery.node_watch(cfg))
 
 
 def _gates(cfg, run, plan: Plan) -> None:
@@ -562,6 +650,8 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
     for key in ("model_tflops", "mfu"):           # SFT steps: model FLOPs (dsv4/flops.py) and MFU, steady steps
         vals = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
         summary[key] = sum(vals) / len(vals) if vals else None
+    from launcher import recovery
+    summary.update(recovery.summary(run))          # nodes left out and why, restarts, steps trained twice
     rl = cfg["PRESET_MODE"] == "rl" and any("reward_mean" in r for r in rows)
     if rl:   # the reward curve's start and end: the mean of the gate's first and last windows
         w = max(1, min(cfg["PRESET_RL_GATE_WINDOW"], len(rows)))
@@ -586,6 +676,12 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
     say(f"\nrun {plan.run_id} PASSED in {elapsed:.0f} s: {summary['steps']} steps, {progress}, "
         f"{fmt(summary['step_time_s'], '.2f')} s/step, {fmt(summary['tokens_per_s'], '.0f')} tokens/s{speed}, "
         f"peak {fmt(summary['peak_mem_gb'], '.2f')} GB")
+    for e in summary["left_out"]:
+        say(f"left out: {e['ip']} ({e['by']}: {e['why'][:200]})"
+            + (f"; standby {e['replaced_by']} took its place" if e["replaced_by"] else ""))
+    if summary["restarts"]:
+        say(f"restarts: {summary['restarts']} ({'; '.join(summary['restart_causes'])}), {summary['steps_lost']} "
+            f"step(s) trained twice; `v4 runs show {run.id}` has each")
     if ray:
         size = "" if ray["processes"] is None else f"; {ray['processes']} processes, {ray['memory_mb']} MB here"
         say(f"Ray stays up for later runs: cluster {ray['cluster']} ({ray['nodes']} node(s)), GCS {ray['gcs']}, "

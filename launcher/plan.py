@@ -103,6 +103,8 @@ class JobSpec:
     entrypoint_num_gpus: float
     timeout_s: float
     submit: str                      # the equivalent `ray job submit` command line
+    # the driver's place: {"node:<head ip>": 0.001} pins it to the head (docs/resilience.md); {} lets Ray choose
+    entrypoint_resources: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -156,6 +158,8 @@ def job_env(cfg: Config, run_dir: str) -> dict[str, str]:
         "MASTER_ADDR": cfg["V4_MASTER_IP"],
         "MASTER_PORT": str(cfg["V4_DIST_PORT"]),
         "HF_HOME": cfg["V4_HF_HOME"],
+        # every rank compiles into and loads from this (dsv4/procenv.py: a subdirectory per GPU model and wheels)
+        "V4_COMPILE_CACHE": cfg["V4_COMPILE_CACHE"],
     }
     python = python_on_nodes(cfg)
     if python.startswith("/"):
@@ -224,6 +228,9 @@ def job_step(cfg: Config, name: str, run_id: str, run_dir: str, excludes: list[s
         entrypoint_num_gpus=0,
         timeout_s=cfg["PRESET_JOB_TIMEOUT"],
         submit="",
+        # on the head, the one node a run cannot lose (its GCS and dashboard): a lost worker takes ranks, never the
+        # driver that reports them, nor its log
+        entrypoint_resources={f"node:{cfg['V4_MASTER_IP']}": 0.001},
     )
     if cfg["V4_EXECUTOR"] == "local":
         job.submit = TEMPLATES.get_template("job_local.sh.j2").render(job=job)

@@ -646,8 +646,35 @@ def run_sft(tc: TrainConfig, step_batches: Callable[[int, int, int], Iterator[di
     return 0
 
 
+def drop_unfinished_saves(root: Path, say=lambda msg: None) -> list[Path]:
+    """Remove the iter_* directories past the `latest` pointer (every one when there is no pointer yet): saves cut
+    short, by a killed job or a lost node. The pointer moves only once every rank has written its part, so it alone
+    says which checkpoint is whole; a directory past it holds a part of one, or nothing."""
+    root = Path(root)
+    try:
+        latest = int((root / LATEST).read_text().strip())
+    except FileNotFoundError:
+        latest = -1
+    except (OSError, ValueError):
+        return []                          # a pointer that cannot be read: nothing is known to be unfinished
+    gone = []
+    for d in sorted(root.glob("iter_*")) if root.is_dir() else []:
+        try:
+            it = int(d.name.split("_", 1)[1])
+        except ValueError:
+            continue
+        if it > latest and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+            say(f"removed {d}: a save cut short (the pointer {root / LATEST} names "
+                + (f"iter_{latest:07d}" if latest >= 0 else "no checkpoint") + ")")
+    return gone
+
+
 def _restore(trainer: Trainer, out: Outputs, say) -> int:
     """Resume from the latest checkpoint, else load the converted weights, else the reference init."""
+    if trainer.ranks.rank == 0:
+        drop_unfinished_saves(out.checkpoints, say)
     ckpt = latest_checkpoint(out.checkpoints)
     if ckpt is not None:
         start = trainer.load(ckpt)

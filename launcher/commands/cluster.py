@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import click
 
@@ -43,6 +44,11 @@ def render_status(st) -> str:
     if st.problems:
         lines.append("problems:")
         lines += [f"  - {p}" for p in st.problems]
+    if st.left_out:
+        # launcher/recovery.py: a run went on without them; a later preflight that passes there takes them back
+        lines.append("left out by runs:")
+        lines += [f"  - {e['ip']}: {e['why'][:300]} (run {e['run']}, {e['by']}, "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['at']))})" for e in st.left_out]
     return "\n".join(lines)
 
 

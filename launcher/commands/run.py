@@ -22,14 +22,17 @@ from launcher.cli_options import config_options, load_config
               "outcome taken, never started a second time; one that succeeded meanwhile counts as done")
 @click.option("--restart-running", is_flag=True, help="with --resume: stop a job the run left running and wait for "
               "its end, then run its step anew (instead of following it)")
-def run(selection, dry_run, as_json, skip_checks, force, resume, restart_running):
+@click.option("--exclude-bad-nodes", is_flag=True, help="leave out the nodes (never the head) that fail preflight "
+              "instead of stopping: the run goes on without them, standbys (V4_STANDBY_IPS) in their places, its layout "
+              "derived for the smaller world (refused below V4_MIN_NODES, or where it no longer divides)")
+def run(selection, dry_run, as_json, skip_checks, force, resume, restart_running, exclude_bad_nodes):
     """Run a staged experiment: preflight, cluster up, pipeline steps as Ray jobs, gates."""
     from launcher.errors import V4Error
     if restart_running and resume is None:
         raise click.UsageError("--restart-running goes with --resume RUN: it restarts the jobs a run left running",
                                ctx=click.get_current_context())
     try:
-        _run(selection, dry_run, as_json, skip_checks, force, resume, restart_running)
+        _run(selection, dry_run, as_json, skip_checks, force, resume, restart_running, exclude_bad_nodes)
     except V4Error as e:
         # --json answers on stdout whatever happened; a failure inside the run printed its own record already
         if as_json and not dry_run and not getattr(e, "reported", False):
@@ -38,7 +41,7 @@ def run(selection, dry_run, as_json, skip_checks, force, resume, restart_running
         raise
 
 
-def _run(selection, dry_run, as_json, skip_checks, force, resume, restart_running=False):
+def _run(selection, dry_run, as_json, skip_checks, force, resume, restart_running=False, exclude_bad_nodes=False):
     from launcher import plan as planning
     from launcher import registry
 
@@ -56,4 +59,4 @@ def _run(selection, dry_run, as_json, skip_checks, force, resume, restart_runnin
     from launcher.pipeline import execute
 
     execute(cfg, plan, skip_checks=skip_checks, force=force, resume=run_id is not None, as_json=as_json,
-            restart_running=restart_running)
+            restart_running=restart_running, exclude_bad_nodes=exclude_bad_nodes)

@@ -47,21 +47,26 @@ def ls(selection, as_json):
 @click.argument("run_ref", metavar="RUN")
 @click.option("--json", "as_json", is_flag=True, help="run.json, steps, gates and summary as one JSON object")
 def show(selection, run_ref, as_json):
-    """One run: status, steps (with job ids), gates, summary. RUN: id, unique prefix, or `latest`."""
-    from launcher import registry
+    """One run: status, restarts and nodes left out, steps (with job ids), gates, summary. RUN: id, unique prefix, or
+    `latest`."""
+    from launcher import recovery, registry
     cfg = load_config(selection)
     run = registry.find_run(cfg, run_ref)
     info, steps = run.info(), run.steps()
     gates, summary = run.read_json("gates.json"), run.read_json("summary.json")
+    rec = recovery.run_record(run)
     if as_json:
         click.echo(json.dumps({"schema": 1, "run": {**info, "effective_status": registry.effective_status(info)},
-                               "dir": str(run.dir), "steps": steps, "gates": gates, "summary": summary}, indent=2))
+                               "dir": str(run.dir), "steps": steps, "gates": gates, "summary": summary,
+                               "recovery": rec.model_dump()}, indent=2))
         return
     click.echo(f"run {run.id}: {registry.effective_status(info)}   ({run.dir})")
     click.echo(f"  created {_when(info.get('created_at'))}, finished {_when(info.get('finished_at'))}"
                + (f", exit code {info['exit_code']}" if info.get("exit_code") is not None else ""))
     if info.get("error"):
         click.echo(f"  error: {info['error']}")
+    for line in _recovery_lines(run, rec):
+        click.echo(line)
     for s in steps:
         took = (s.get("finished_at") or time.time()) - s["started_at"] if s.get("started_at") else None
         job = s.get("submission_id") or ""
@@ -72,6 +77,35 @@ def show(selection, run_ref, as_json):
         click.echo(f"  plot {png}")
     if (run.dir / "tb").is_dir():
         click.echo(f"  tensorboard --logdir {run.dir / 'tb'}")
+
+
+def _recovery_lines(run, rec) -> list[str]:
+    """The run's restarts at a glance (count, each cause, when, steps lost) and the nodes it went on without."""
+    out = []
+    if rec.restarts:
+        budget = ((run.read_json("config.json") or {}).get("values") or {}).get("PRESET_MAX_RESTARTS")
+        lost = sum(r.steps_lost for r in rec.restarts)
+        out.append(f"  restarts: {len(rec.restarts)}" + (f" (PRESET_MAX_RESTARTS={budget} a launch)" if budget is not None
+                                                        else "") + f", {lost} step(s) trained twice")
+        for r in rec.restarts:
+            if r.cause == "node_lost":
+                what = f"node lost: {', '.join(r.nodes)}"
+                after = (f", noticed {r.noticed_after_s:.0f} s after the GCS declared it dead"
+                         if r.noticed_after_s is not None else "")
+            else:
+                what = f"hung: {r.detail.split(';')[0][:160]}"
+                after = (f", after {r.noticed_after_s:.0f} s without a heartbeat" if r.noticed_after_s is not None
+                         else "")
+            where = (f"; world {r.world_before} -> {r.world_after}" + (f", standby {', '.join(r.standby)}" if r.standby
+                                                                       else "")) if r.cause == "node_lost" else ""
+            out.append(f"    #{r.n} {_when(r.at)}  {r.step}  {what}{after}")
+            out.append(f"       resumed from " + (f"step {r.from_step}" if r.from_step else "the start")
+                       + f" ({r.steps_lost} step(s) lost){where}; job {r.job}"
+                       + (f" -> {r.next_job}" if r.next_job else "") + (f"; stacks {r.stacks}" if r.stacks else ""))
+    for e in rec.left_out:
+        out.append(f"  left out: {e.ip} ({e.by}" + (f" in {e.step}" if e.step else "") + f", {_when(e.at)}): "
+                   f"{e.why[:200]}" + (f"; standby {e.replaced_by} in its place" if e.replaced_by else ""))
+    return out
 
 
 # Steps whose job may be alive: running, or interrupted (Ctrl-C leaves a Ray job running; --resume follows it).

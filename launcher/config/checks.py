@@ -37,10 +37,12 @@ NON_NEGATIVE_KEYS = ("PRESET_NUM_NODES", "PRESET_GPUS_PER_NODE", "HW_CP_SMOKE_GP
                      "PRESET_PP_LAST_LAYERS", "PRESET_LR_WARMUP_ITERS",
                      "PRESET_LR", "PRESET_MIN_LR", "PRESET_WEIGHT_DECAY",
                      "PRESET_MTP_LOSS_COEFF", "HW_GPU_MEMORY_GB", "PRESET_HANG_TIMEOUT", "HW_GEMM_TFLOPS",
-                     "HW_HBM_GBPS", "HW_GPU_PROBE_MIN_FRACTION", "V4_NCCL_MIN_PAIR_BUSBW_GBPS")
+                     "HW_HBM_GBPS", "HW_GPU_PROBE_MIN_FRACTION", "V4_NCCL_MIN_PAIR_BUSBW_GBPS",
+                     "V4_MIN_NODES", "PRESET_MAX_RESTARTS")
 # Timeouts: 0 or less would fail every connection or step at once.
 POSITIVE_SECONDS_KEYS = ("V4_SSH_CONNECT_TIMEOUT", "V4_SSH_COMMAND_TIMEOUT", "V4_RAY_READY_TIMEOUT",
-                         "PRESET_JOB_TIMEOUT", "V4_ROLLOUT_HEALTH_TIMEOUT", "V4_WANDB_TIMEOUT")
+                         "PRESET_JOB_TIMEOUT", "V4_ROLLOUT_HEALTH_TIMEOUT", "V4_WANDB_TIMEOUT",
+                         "V4_NODE_DEAD_TIMEOUT")
 
 # SGLang server flags the launcher renders itself (launcher/rollout.py), with the key that sets each: given again in
 # V4_ROLLOUT_EXTRA_ARGS they would override it behind the launcher's back (argparse keeps the last), e.g. a second
@@ -564,6 +566,19 @@ def _check_names(cfg: Config, errors: list[str]) -> None:
         if not valid_host(host):
             errors.append(f"V4_WORKER_IPS entry {host!r} ({cfg.origin('V4_WORKER_IPS').where}) is not an address "
                           f"or host name; {how} (entries are separated by spaces)")
+    for host in v["V4_STANDBY_IPS"]:
+        if not valid_host(host):
+            errors.append(f"V4_STANDBY_IPS entry {host!r} ({cfg.origin('V4_STANDBY_IPS').where}) is not an address "
+                          f"or host name; {how} (entries are separated by spaces)")
+    standby = v["V4_STANDBY_IPS"]
+    twice = sorted({h for h in standby if standby.count(h) > 1 or h in cfg.nodes})
+    if twice:
+        # a standby takes a lost node's place: one already in the cluster (or named twice) would take two
+        errors.append(f"{at(cfg, 'V4_STANDBY_IPS')} names {', '.join(twice)} twice, or as a node of the cluster "
+                      f"(V4_MASTER_IP, V4_WORKER_IPS); a standby is a node outside the cluster until it is needed")
+    if v["V4_MIN_NODES"] > len(cfg.nodes) + len(standby):
+        errors.append(f"{at(cfg, 'V4_MIN_NODES')} is more than the cluster's {len(cfg.nodes)} node(s) and "
+                      f"{len(standby)} standby(s): no run could start")
     if v["V4_REDIS_HOST"] and not valid_host(v["V4_REDIS_HOST"]):
         errors.append(f"{at(cfg, 'V4_REDIS_HOST')} is not an address or host name; {how} (or leave it empty: no "
                       "external Redis)")

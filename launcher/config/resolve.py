@@ -195,16 +195,26 @@ def layer_file(kind: str, name: str, root: Path = ROOT) -> Path:
     return path
 
 
-def resolve(sel: Selection) -> Config:
-    """Resolve a selection into a Config, running every cross-check (raises ConfigError)."""
+def resolve(sel: Selection, overlay: "Overlay | None" = None) -> Config:
+    """Resolve a selection into a Config, running every cross-check (raises ConfigError). `overlay`: values the
+    launcher itself assigns after every layer (nodes a run left out, launcher/recovery.py), with their origin."""
     from launcher.config.checks import derive_and_check
 
-    cfg = load(sel)
+    cfg = load(sel, overlay)
     derive_and_check(cfg)
     return cfg
 
 
-def load(sel: Selection) -> Config:
+@dataclass(frozen=True)
+class Overlay:
+    """KEY=value assignments made by the launcher, not by a file or the command line: applied last, each with
+    `where` as its origin (what `config show --explain` and the cross-checks' messages cite). Never part of the
+    Selection: a command printed for the person repeats what they chose, not what the launcher derived."""
+    where: str
+    values: tuple[tuple[str, str], ...]
+
+
+def load(sel: Selection, overlay: Overlay | None = None) -> Config:
     root = sel.root
     environ = os.environ if sel.environ is None else sel.environ
 
@@ -230,6 +240,8 @@ def load(sel: Selection) -> Config:
     env_assigns = [Assignment(k, environ[k], True, f"env ${k}") for k in SCHEMA if k in environ]
     cli_assigns = [_parse_set(s) for s in sel.sets]
     tail += [("env", "process environment", env_assigns), ("cli", "--set", cli_assigns)]
+    if overlay is not None:
+        tail.append(("launcher", overlay.where, [Assignment(k, v, True, overlay.where) for k, v in overlay.values]))
 
     hw = sel.hw
     if hw == "auto":

@@ -50,6 +50,16 @@ KEYS: list[Key] = [
     _k("V4_NUM_GPUS_PER_NODE", "int", 1, "cluster", "training processes per node: GPUs, or gloo processes on hw=cpu"),
     _k("V4_EXECUTOR", "enum", "ray", "cluster",
        "how steps run: Ray jobs on the cluster, or subprocesses on this one machine (no Ray needed)", ("ray", "local")),
+    # docs/resilience.md: nodes left out before a run (--exclude-bad-nodes) or lost during one, standbys taking their place
+    _k("V4_STANDBY_IPS", "list", "", "cluster",
+       "standby nodes, space-separated: no Ray until a node is left out at preflight (--exclude-bad-nodes) or lost "
+       "mid-run; then one that passes preflight takes its place (same SSH, paths and GPUs as the others)"),
+    _k("V4_MIN_NODES", "int", 0, "cluster",
+       "fewest nodes a run goes on with once bad or lost nodes are left out (0: as few as the run's layout allows)"),
+    _k("V4_NODE_DEAD_TIMEOUT", "float", 30, "cluster",
+       "seconds a node may miss Ray's health checks before the GCS declares it dead, set on the Ray `v4 cluster up` "
+       "starts (Ray's own: 15 s for a killed raylet, 63 s for a host off the network): a lost node is noticed that "
+       "fast"),
     # --- SSH --------------------------------------------------------------------------------------
     _k("V4_SSH_USER", "str", "root", "cluster", "SSH login user on every node"),
     _k("V4_SSH_PORT", "int", 22, "cluster", "SSH port on every node"),
@@ -127,6 +137,10 @@ KEYS: list[Key] = [
     _k("V4_TORCH_DIST", "path", "", "base", "Megatron distributed checkpoint converted for training"),
     _k("V4_SFT_DATA", "path", "", "base", "normalized chat data (jsonl) the SFT job reads"),
     _k("V4_HF_HOME", "path", "${V4_WORK}/.cache/huggingface", "base", "HF_HOME for jobs"),
+    _k("V4_COMPILE_CACHE", "path", "${V4_WORK}/compile-cache", "base",
+       "compiled kernels (TileLang, inductor, Triton) every rank of every node loads and adds to, so a later run's "
+       "first step does not compile them again; one subdirectory per GPU model and torch/Triton/TileLang version, "
+       "0700 (dsv4/procenv.py)"),
     # --- hardware ---------------------------------------------------------------------------------
     _k("HW_DEVICE", "enum", "cpu", "hw", "device jobs train on", ("cpu", "cuda")),
     _k("HW_DIST_BACKEND", "enum", "gloo", "hw", "torch.distributed backend", ("gloo", "nccl")),
@@ -246,8 +260,11 @@ KEYS: list[Key] = [
        "seconds without a heartbeat from any training rank before every rank's Python stacks go to RUN/hang and the "
        "step is stopped (exit 124; 0: no watchdog)"),
     _k("PRESET_PLANT_HANG", "str", "", "preset",
-       "fault injection for tests: RANK:STEP[:PHASE] makes that rank sleep for good before the loss all-reduce "
-       "(or PHASE, dsv4/heartbeat.py) of that step"),
+       "fault injection for tests: RANK:STEP[:PHASE][@once] makes that rank sleep for good before the loss "
+       "all-reduce (or PHASE, dsv4/heartbeat.py) of that step; @once: in the step's first job only"),
+    _k("PRESET_MAX_RESTARTS", "int", 2, "preset",
+       "restarts of a step without a person, per `v4 run`: after a node is lost mid-step (on the remaining nodes or a "
+       "standby) or a hang (PRESET_HANG_TIMEOUT), from the last complete checkpoint (0: none; docs/resilience.md)"),
     # --- RL (PRESET_MODE=rl; docs/rl.md) ----------------------------------------------------------
     _k("PRESET_RL_TASK", "str", "echo", "preset", "prompts and reward: echo, copy, math (dsv4/rl/tasks.py)"),
     _k("PRESET_RL_REWARD", "str", "", "preset",

@@ -75,6 +75,12 @@ def run_checks(cfg, only=(), skip=(), nodes=None, inputs=None, run=None) -> Resu
             r = CHECKS[name].judge(node, ctx)
             if r is not None:
                 results.append(r)
+    # A node whose facts could not be gathered is judged by no check that needs them: whatever was selected (`--only
+    # nccl`), the ssh or python check that says why is its row, never a table without it that passes.
+    judged = {r.node for r in results if r.name in ("ssh", "python")}
+    for node, (stage, _) in ctx.errors.items():
+        if node not in judged and stage in CHECKS and (r := CHECKS[stage].judge(node, ctx)) is not None:
+            results.append(r)
     return results
 
 

@@ -174,7 +174,7 @@ class FakeRay:
         self.calls.append(("wait", sid))
         return Outcome(sid, "SUCCEEDED", 0, 1.0, "", str(log_path), "")
 
-    def submit_and_wait(self, cfg, job, log_path=None, progress=None):
+    def submit_and_wait(self, cfg, job, log_path=None, progress=None, **kw):
         self.calls.append(("submit", job.submission_id))
         return Outcome(job.submission_id, "SUCCEEDED", 0, 1.0, "", str(log_path), "")
 
