@@ -4,6 +4,7 @@ torch and dsv4 are imported inside the commands, so loading this module (and `v4
 """
 from __future__ import annotations
 
+import json
 import shlex
 import stat
 from pathlib import Path
@@ -132,11 +133,21 @@ def _load_engine(model: str, checkpoint: Path | None, overrides: tuple[str, ...]
     if not config.is_file():
         raise ConfigError(f"--checkpoint {checkpoint}: no config.json there",
                           fix="pass a BF16 checkpoint directory (v4 ckpt dequantize SRC DST writes one)")
+    try:
+        hf = json.loads(config.read_bytes())
+    except ValueError as e:                       # JSONDecodeError and UnicodeDecodeError
+        raise ConfigError(f"--checkpoint {checkpoint}: {config} is not JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"--checkpoint {checkpoint}: {config} is not a JSON object of HF config keys")
+    try:
+        base = ModelConfig.from_hf_config(hf)
+    except (KeyError, ValueError, TypeError, AttributeError) as e:      # a value of the wrong JSON type
+        raise ConfigError(f"--checkpoint {checkpoint}: {config}: {e.args[0] if e.args else e}") from None
     typed = {}
     if overrides:
         # type the overrides against the checkpoint's own config, as --set does for presets
         try:
-            new = ModelConfig.from_hf_config(str(config)).with_overrides(*overrides)
+            new = base.with_overrides(*overrides)
         except (KeyError, ValueError) as e:
             raise ConfigError(f"--model-overrides {' '.join(overrides)}: {e.args[0] if e.args else e}") from None
         typed = {k: getattr(new, k) for k in parse_overrides(*overrides)}

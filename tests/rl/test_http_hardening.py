@@ -191,9 +191,22 @@ def test_rl_serve_on_a_truncated_shard_says_so_without_a_traceback(ckpt, tmp_pat
     shard = _shard(model)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     r = subprocess.run([sys.executable, "-m", "launcher", "rl", "serve", "--checkpoint", str(model), "--port", "0"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and f"{shard}: truncated" in r.stderr and "fix:" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("config", ["{not json", "[1]", '{"quantization_config": [1]}'])
+def test_rl_serve_on_a_broken_config_json_is_a_config_error(ckpt, tmp_path, config):
+    from click.testing import CliRunner
+
+    from launcher.commands.rl import rl
+    from launcher.errors import ConfigError
+    model = _copy_dir(ckpt, tmp_path / "model")
+    (model / "config.json").write_text(config)
+    r = CliRunner().invoke(rl, ["serve", "--checkpoint", str(model), "--port", "0"])
+    assert isinstance(r.exception, ConfigError) and str(model / "config.json") in r.exception.message, r.exception
 
 
 # --- where a weight-update group listens, and for how long -------------------------------------------------
@@ -347,7 +360,8 @@ def test_the_body_limit_is_the_servers_setting(start):
         status, body = _answer(c)
     finally:
         c.close()
-    assert status == 413 and "limit of 1 MiB" in body["error"]["message"] and "--max-body-mb" in body["error"]["message"]
+    message = body["error"]["message"]
+    assert status == 413 and "limit of 1 MiB" in message and "--max-body-mb" in message, message
     with pytest.raises(ValueError, match="max_body_mb"):
         RolloutHTTPServer(s.engine, "127.0.0.1", 0, max_body_mb=0)
 
