@@ -171,7 +171,6 @@ class RunContext:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
 
 
-@dataclass(frozen=True)
 SUPERSEDED = "metrics.superseded.jsonl"
 
 
@@ -206,6 +205,7 @@ def supersede_metrics(path: Path, from_step: int) -> int:
     return len(gone)
 
 
+@dataclass(frozen=True)
 class Paths:
     hf_dir: Path
     bf16_dir: Path
