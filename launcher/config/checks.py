@@ -44,6 +44,10 @@ POSITIVE_SECONDS_KEYS = ("V4_SSH_CONNECT_TIMEOUT", "V4_SSH_COMMAND_TIMEOUT", "V4
                          "PRESET_JOB_TIMEOUT", "V4_ROLLOUT_HEALTH_TIMEOUT", "V4_WANDB_TIMEOUT",
                          "V4_NODE_DEAD_TIMEOUT")
 
+# SGLang's _SAMPLING_EPS (dsv4.rl.api.SAMPLING_EPS; the launcher does not import dsv4): a rollout temperature below
+# it is greedy decoding
+RL_SAMPLING_EPS = 1e-6
+
 # SGLang server flags the launcher renders itself (launcher/rollout.py), with the key that sets each: given again in
 # V4_ROLLOUT_EXTRA_ARGS they would override it behind the launcher's back (argparse keeps the last), e.g. a second
 # --port the health wait would never look at.
@@ -359,6 +363,11 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     for key in POSITIVE_SECONDS_KEYS:
         if v[key] <= 0:
             errors.append(f"{at(cfg, key)} must be > 0 seconds")
+    t = v["PRESET_RL_TEMPERATURE"]
+    if not (t == 0 or t >= RL_SAMPLING_EPS):
+        errors.append(f"{at(cfg, 'PRESET_RL_TEMPERATURE')} must be 0 (greedy) or >= {RL_SAMPLING_EPS:g}: a rollout "
+                      "engine samples greedily below that (SGLang's floor) while the trainer would score at the "
+                      "temperature, so rollout and training log-probabilities would disagree")
 
 
 def _check_site(cfg: Config, errors: list[str]) -> None:
