@@ -137,9 +137,10 @@ def test_a_cache_larger_than_the_sequence_changes_nothing():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("experts,k", [(8, 2), (32, 6), (256, 6)])
 def test_the_decode_moe_equals_the_models_moe(dtype, experts, k):
-    """The chosen experts through grouped GEMMs (assignments sorted by expert), at the smoke's 8 experts, an EP-8
-    rank's 32 and Flash's 256 with its top-6: the same routes and, row by row, the same sum in the same expert
-    order as MoE.forward (on a CPU bit for bit; the bound allows GEMM round-off on another grouping of rows)."""
+    """At the smoke's 8 experts, an EP-8 rank's 32 and Flash's 256 with its top-6, for one token and 64 (grouped
+    GEMMs over the chosen experts, or at 64 tokens of 8 and 32 experts every expert, see dense_from): the same routes
+    and, row by row, MoE.forward's sum (the grouped form in its expert order: on a CPU bit for bit; the bound allows
+    GEMM round-off on another grouping of rows and the dense form's reduction over experts)."""
     cfg = ModelConfig.preset("tiny", seed=3, dtype=dtype, n_routed_experts=experts, n_activated_experts=k)
     model = Transformer(cfg)
     g = torch.Generator().manual_seed(0)
@@ -155,6 +156,29 @@ def test_the_decode_moe_equals_the_models_moe(dtype, experts, k):
             assert torch.isfinite(y).all() and torch.equal(idx, ref_idx)
             tol = 2e-6 if dtype == "fp32" else 2e-2
             assert (y.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+
+
+def test_a_batch_that_reads_nearly_every_expert_runs_them_all():
+    """From the batch at which top-k routing reads 90 % of the experts in expectation, the dense form (every expert
+    on every row, weighted 0 where not chosen) runs instead of the grouped GEMMs; both are MoE.forward's sum."""
+    assert [decode.dense_from(e, k) for e, k in ((8, 6), (8, 2), (32, 6), (256, 6))] == [2, 9, 12, 98]
+    cfg = ModelConfig.preset("tiny", seed=5, n_routed_experts=32, n_activated_experts=6)
+    model = Transformer(cfg)
+    ffn = model.layers[2].ffn
+    stack = decode.ExpertStack(ffn)
+    g = torch.Generator().manual_seed(3)
+    for T in (11, 12):                                    # the grouped form below dense_from, the dense one from it
+        x = torch.randn(T, cfg.dim, generator=g)
+        ids = torch.zeros(T, dtype=torch.long)
+        with torch.no_grad():
+            ref = ffn(x, ids)
+            w, idx = ffn.gate(x, ids)
+            sums = [f(x, w, idx, ffn.experts[0].swiglu_limit) + ffn.shared_experts(x) for f in
+                    (stack.grouped_sum, stack.dense)]
+            y, _ = decode.moe(ffn, x, ids, stack)
+        assert torch.isfinite(y).all() and (y - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+        for z in sums:
+            assert (z - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
 
 
 def test_the_decode_moe_reads_only_the_chosen_experts():
