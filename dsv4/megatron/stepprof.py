@@ -9,12 +9,14 @@ scopes again, so recompute lands in its part). Wherever they run, NCCL kernels c
 the gradient, loss reductions). Idle is the step's wall time minus the union of kernel intervals.
 
 Each kernel is counted once. The profiler also lists, among the device's events, one span per user annotation
-(every `record_function`: our part scopes, torch.optim's `Optimizer.step#...`, inductor's kernel marks) that
-covers the kernels launched inside it, and hands it to the annotation's CPU op as if it were a kernel; counted,
-those spans put the optimizer (two nested annotations over thousands of small launches) at several times the
-whole step. Only the device events that are not annotations are kernels here (`device_kernels`), and an op's
-kernel list is read against them, so the parts add up to the kernels' total. Kernels that run at the same time
-(on several streams) are each counted in full: `overlap_ms` is by how much their sum exceeds their union.
+(every `record_function`: our part scopes, torch.optim's `Optimizer.step#...`) that covers the kernels launched
+inside it: on the H200, 103 such spans in a step of 16,863 device events, 739 ms of "device time" in a 755 ms step
+whose kernels took 373 ms. Taken as kernel intervals they hid most of the idle time (204 ms instead of 382), and
+linked to their annotation's op as a kernel (as torch links a device event to the op of its correlation id) they
+would count each scope's time twice. Only the device events that are not annotations are kernels here
+(`device_kernels`), and each op's kernel list is read against them, so every kernel counts once, in one part,
+and the parts add up to the step. Kernels that run at the same time (on several streams) are each counted in
+full: `overlap_ms` is by how much their sum exceeds their union.
 
 On a CPU there are no kernels: each part's time is then its ops' own CPU time (self time, so nothing is
 counted twice) and idle is what no op accounts for.
