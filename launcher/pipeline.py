@@ -635,6 +635,9 @@ def _print_failure(run, plan: Plan, status: str, code: int, error: str, fix: str
           flush=True)
 
 
+RL_STEP_PARTS = ("time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s", "time_wait_s")
+
+
 def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
     rows = gating.read_metrics(run.dir)
     last = rows[-1] if rows else {}
@@ -657,6 +660,9 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
         w = max(1, min(cfg["PRESET_RL_GATE_WINDOW"], len(rows)))
         summary["reward_first"] = sum(r["reward_mean"] for r in rows[:w]) / w
         summary["reward_last"] = sum(r["reward_mean"] for r in rows[-w:]) / w
+        # the steady steps' time by part (dsv4/rl/loop.py StepClock), each a mean, together the mean step time
+        parts = {k: [r[k] for r in steady if isinstance(r.get(k), (int, float))] for k in RL_STEP_PARTS}
+        summary["step_parts_s"] = {k[5:-2]: sum(v) / len(v) for k, v in parts.items() if v} or None
     ray = None
     if cfg["V4_EXECUTOR"] == "ray":
         # Ray is left up, and said so: it is this checkout's cluster, not this run's (another run may be using it),
@@ -676,6 +682,8 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
     say(f"\nrun {plan.run_id} PASSED in {elapsed:.0f} s: {summary['steps']} steps, {progress}, "
         f"{fmt(summary['step_time_s'], '.2f')} s/step, {fmt(summary['tokens_per_s'], '.0f')} tokens/s{speed}, "
         f"peak {fmt(summary['peak_mem_gb'], '.2f')} GB")
+    if rl and summary["step_parts_s"]:
+        say("a step: " + ", ".join(f"{k} {v:.2f} s" for k, v in summary["step_parts_s"].items()))
     for e in summary["left_out"]:
         say(f"left out: {e['ip']} ({e['by']}: {e['why'][:200]})"
             + (f"; standby {e['replaced_by']} took its place" if e["replaced_by"] else ""))

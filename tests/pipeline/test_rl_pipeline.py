@@ -44,6 +44,9 @@ def test_rl_smoke_learns_and_passes_its_gates(work):
     assert [m["step"] for m in rows] == list(range(1, 21))
     assert summary["reward_last"] >= summary["reward_first"] + 0.3
     assert "reward" in r.stderr and "PASSED" in r.stderr
+    parts = summary["step_parts_s"]                      # the steady steps' time by part, as each row has it
+    assert list(parts) == ["rollout", "logprob", "train", "sync", "wait"] and "a step: rollout" in r.stderr
+    assert abs(sum(parts.values()) - summary["step_time_s"]) <= 1e-6 * summary["step_time_s"]
     for m in rows:
         assert m["weight_version"] == str(m["step"]) and m["weights_synced"] is True
         assert m["route_agree"] == 1.0 and m["logprob_diff_max"] <= 1e-4
