@@ -6,7 +6,8 @@ Reads the run's resolved config (DIR/config.json): the model and layout as the S
 PRESET_RL_* keys. The trainer starts from the converted checkpoint (the `convert` step), or resumes from the
 run's latest checkpoint; the rollout engine, in this process, gets the trainer's weights before the first
 rollout and after every step. Writes:
-  DIR/metrics.jsonl                    one row per step: reward, mismatch, route agreement, sync, loss, ...
+  DIR/metrics.jsonl                    one row per step: reward, mismatch, route agreement, sync, loss, ..., and
+                                       the step's time by part (time_rollout_s, _logprob_, _train_, _sync_, _wait_)
   DIR/checkpoints/iter_NNNNNNN/        megatron distributed checkpoints
   DIR/steps/train/nonfinite.json       step, rank and first module of a non-finite loss/gradient
 Exit codes: 0 done, 1 failed (also: no learning signal for PRESET_RL_DEAD_STEPS steps), 2 bad configuration,
