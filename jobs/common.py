@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dsv4.fileio import atomic_write
 
@@ -46,6 +46,7 @@ class RunContext:
         cfg = json.loads(path.read_text())["values"]
         ctx = cls(run_dir, cfg)
         ctx._export_socket_ifname()
+        _uncap_threads()
         return ctx
 
     def step_dir(self, name: str) -> Path:
@@ -219,6 +220,39 @@ def ranks_local(cfg: dict) -> bool:
     """Whether a step's ranks run as local processes (the local executor: this one machine, no Ray) rather
     than as Ray actors; `dsv4.megatron.launch.launch(local=...)`."""
     return cfg.get("V4_EXECUTOR") == "local"
+
+
+def _uncap_threads() -> None:
+    """A Ray job's entrypoint computes on every core, as under the local executor: Ray starts it with
+    OMP_NUM_THREADS=1 (its one reserved CPU), which made the weights, dequantize and convert steps 2-3x slower on a
+    16-core host (dsv4/procenv.py)."""
+    from dsv4.procenv import physical_cores, undo_ray_thread_cap
+    cap = undo_ray_thread_cap()
+    if cap is not None:
+        log(f"CPU threads: {physical_cores()} (the OMP_NUM_THREADS={cap} Ray set for this job's entrypoint removed)")
+
+
+def with_compile_cache(write: Callable[[dict], None], say: Callable[[str], None] | None = None
+                       ) -> Callable[[dict], None]:
+    """`write` (a train step's metrics sink) with the compile cache's state added to the first row of this job, and
+    said in the step log: its entries counted now, before the first step compiles, and again after it
+    (dsv4.procenv.CacheReport: cold, warm or partly warm; compile_cache* in the row). Nothing is added where no
+    compile cache is active (a job not started by v4, or a cache refused with a warning)."""
+    from dsv4.procenv import CACHE_DIR, CacheCount, CacheReport
+    sub = os.environ.get(CACHE_DIR)
+    if not sub:
+        return write
+    say = say or log
+    before, pending = CacheCount.of(sub), [True]
+
+    def on_metrics(row: dict) -> None:
+        if pending and "step" in row:
+            pending.clear()
+            report = CacheReport(before, CacheCount.of(sub))
+            say(report.line())
+            row = {**row, **report.metrics()}
+        write(row)
+    return on_metrics
 
 
 def default_route_ifname() -> str | None:
