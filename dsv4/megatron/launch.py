@@ -10,9 +10,12 @@ neighbouring ranks share a node, and points every rank at rank 0's node for the 
 pickles it by reference); its return value is the rank's exit code. The job's exit code is 16 when
 any rank reports 16 (non-finite loss/gradient), else the largest code; an actor that raises makes it 1.
 
-Every rank's function runs through `run_rank`, which tears down the process group the function left behind
-when it returns (NCCL otherwise warns at exit, and a driver that ran world 1 in-process would keep a group bound
-to that job's rendezvous port).
+Every rank's function runs through `run_rank`, which first makes the rank's process the same under every path
+(dsv4/procenv.py: the OMP_NUM_THREADS=1 Ray gives an actor removed, the node's cores shared among the GPU ranks on it,
+TileLang, inductor and Triton pointed at the cluster's compile cache under V4_COMPILE_CACHE), and tears down the
+process group the function left behind when it returns (NCCL otherwise warns at exit, and a driver that ran world 1
+in-process would keep a group bound to that job's rendezvous port). An actor reserves one CPU: a reservation is what
+Ray schedules by, not what the rank computes with (a one-node cluster of V4_RAY_NUM_CPUS=3 must still place 2 ranks).
 
 Local processes are spawned, one a rank (GPU = rank on cuda), rendezvous on 127.0.0.1. When a rank ends
 with an error while others still run, those get RANK_GRACE_S to end on their own (all ranks stop
@@ -47,21 +50,34 @@ def launch(fn: Callable, world: int, payload, device: str, master_port: int = 0,
            local: bool = False) -> int:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if world == 1:
-        return run_rank(fn, 0, 1, "127.0.0.1", master_port or free_port(), payload)
+        return run_rank(fn, 0, 1, "127.0.0.1", master_port or free_port(), payload, device, 1)
     if local:
         return _launch_local(fn, world, payload, device, master_port, log)
     return _launch_ray(fn, world, payload, device, master_port, log)
 
 
-def run_rank(fn, rank, world, master_addr, master_port, payload) -> int:
-    """`fn` for one rank, then `destroy_process_group()` if it left one initialized. Only after a return (any exit
-    code, all ranks stop together on a non-finite step): after an exception a peer may be gone, and tearing down a
-    communicator that waits for it can hang; the launchers end such ranks themselves."""
+def run_rank(fn, rank, world, master_addr, master_port, payload, device: str = "cpu", ranks_here: int = 1) -> int:
+    """`fn` for one rank (one of `ranks_here` on its node), then `destroy_process_group()` if it left one initialized.
+    Only after a return (any exit code, all ranks stop together on a non-finite step): after an exception a peer may
+    be gone, and tearing down a communicator that waits for it can hang; the launchers end such ranks themselves."""
+    prepare_rank(rank, device, ranks_here)
     code = fn(rank, world, master_addr, master_port, payload)
     dist = sys.modules.get("torch.distributed")      # not imported: fn made no process group
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return code
+
+
+def prepare_rank(rank: int, device: str, ranks_here: int) -> None:
+    """The rank's CPU threads and compile cache, the same under every executor (dsv4/procenv.py)."""
+    from dsv4 import procenv
+    procenv.undo_ray_thread_cap()
+    procenv.rank_threads(device, ranks_here)
+    try:
+        procenv.activate_compile_cache(device)
+    except procenv.CacheRefused as e:
+        if rank == 0:
+            print(f"warning: compile cache not used, kernels are compiled afresh: {e}", file=sys.stderr, flush=True)
 
 
 def _launch_local(fn, world, payload, device, master_port, log) -> int:
@@ -73,7 +89,7 @@ def _launch_local(fn, world, payload, device, master_port, log) -> int:
             return 1
     port = master_port or free_port()
     ctx = mp.get_context("spawn")             # CUDA cannot be used in a forked child
-    procs = [ctx.Process(target=_local_rank, args=(fn, rank, world, port, payload), name=f"rank{rank}")
+    procs = [ctx.Process(target=_local_rank, args=(fn, rank, world, port, payload, device), name=f"rank{rank}")
              for rank in range(world)]
     for p in procs:
         p.start()
@@ -101,9 +117,9 @@ def _launch_local(fn, world, payload, device, master_port, log) -> int:
     return combine_exit_codes([c if c >= 0 else 1 for c in (p.exitcode for p in procs)])
 
 
-def _local_rank(fn, rank, world, port, payload) -> None:
+def _local_rank(fn, rank, world, port, payload, device="cpu") -> None:
     os.environ["LOCAL_RANK"] = str(rank)      # init_distributed's GPU for this rank
-    sys.exit(run_rank(fn, rank, world, "127.0.0.1", port, payload))
+    sys.exit(run_rank(fn, rank, world, "127.0.0.1", port, payload, device, world))
 
 
 def _launch_ray(fn, world, payload, device, master_port, log) -> int:
@@ -147,7 +163,9 @@ def _launch_ray(fn, world, payload, device, master_port, log) -> int:
         master_addr = where[order[0]][0]
         port = master_port or ray.get(actors[0].free_port.remote())
         log(f"{world} ranks on {sorted({w[0] for w in where})}; rendezvous {master_addr}:{port}")
-        refs = [a.run.remote(fn, rank, world, master_addr, port, payload) for rank, a in enumerate(actors)]
+        ips = [where[i][0] for i in order]          # a rank's neighbours on its node share its cores
+        refs = [a.run.remote(fn, rank, world, master_addr, port, payload, device, ips.count(ips[rank]))
+                for rank, a in enumerate(actors)]
         codes = _gather(refs, log)
     finally:
         for a in actors:
@@ -203,6 +221,6 @@ class RankActor:
     def free_port(self) -> int:
         return free_port()
 
-    def run(self, fn, rank, world, master_addr, master_port, payload) -> int:
+    def run(self, fn, rank, world, master_addr, master_port, payload, device="cpu", ranks_here=1) -> int:
         os.environ["LOCAL_RANK"] = "0"
-        return run_rank(fn, rank, world, master_addr, master_port, payload)
+        return run_rank(fn, rank, world, master_addr, master_port, payload, device, ranks_here)

@@ -1,0 +1,57 @@
+"""A step's processes compute alike under the Ray executor and the local one (issue 43): on a real local Ray, the same
+job (benchmarks/bench_executor.py's, two ranks through dsv4.megatron.launch) runs as a Ray job (Ray actors for its
+ranks) and as a local subprocess (spawned ranks), each with the environment the plan gives every job. Ray starts the
+entrypoint and every actor with OMP_NUM_THREADS=1; v4 removes it (dsv4/procenv.py), so both executors' processes see
+the same thread variables, torch threads, CPU affinity and nice level, and their ranks the same compile cache."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from launcher import cluster
+from launcher.config import Selection, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_executor as B  # noqa: E402
+
+SAME = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "cpus (affinity)", "torch threads", "torch interop threads", "nice",
+        "cgroup cpu.max", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR")
+
+
+@pytest.fixture(scope="module")
+def ray_cfg(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("executors")
+    local = Path(f"/tmp/v4exe-{tmp.name[-6:]}")          # short: Ray's AF_UNIX socket paths live below it
+    sets = (f"V4_RAY_PORT={free_port()}", f"V4_DASHBOARD_PORT={free_port()}", f"V4_RAY_CLIENT_PORT={free_port()}",
+            f"V4_LOCAL_DIR={local}", "V4_RAY_NUM_CPUS=3", f"V4_WORK={tmp}")
+    cfg = resolve(Selection(cluster="local", hw="cpu", sets=sets))
+    assert cluster.up(cfg).healthy
+    yield cfg
+    cluster.down(cfg)
+    subprocess.run(["rm", "-rf", str(local)])
+
+
+@pytest.mark.slow       # a Ray cluster, a Ray job with two actors and a local job with two ranks: ~40 s
+def test_ray_and_local_processes_see_the_same_threads_affinity_and_cache(ray_cfg, tmp_path):
+    from dsv4.procenv import cache_key, physical_cores
+    got = {}
+    for executor in ("local", "ray"):
+        run_dir = tmp_path / executor
+        run_dir.mkdir()
+        got[executor] = B.run_once(ray_cfg, executor, run_dir, ranks=2, mb=1, tag=executor)
+    local, ray = got["local"], got["ray"]
+    assert len(local["ranks"]) == len(ray["ranks"]) == 2
+    for who, a, b in [("entrypoint", local["facts"], ray["facts"]),
+                      *((f"rank {i}", x["facts"], y["facts"]) for i, (x, y) in enumerate(zip(local["ranks"],
+                                                                                                 ray["ranks"])))]:
+        differ = {k: (a[k], b[k]) for k in SAME if a[k] != b[k]}
+        assert not differ, f"{who}: local vs ray {differ}"
+    # as the local executor gives it: no thread cap, torch's default of one thread a physical core
+    assert ray["facts"]["OMP_NUM_THREADS"] == "-" and ray["facts"]["torch threads"] == physical_cores()
+    sub = Path(ray_cfg["V4_COMPILE_CACHE"]) / cache_key("cpu")
+    assert ray["ranks"][0]["facts"]["TILELANG_CACHE_DIR"] == str(sub / "tilelang")
