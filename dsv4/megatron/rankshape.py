@@ -172,10 +172,15 @@ class RankShape:
         held = ""
         if self.stage is not None and self.stage != lay.pp - 1:
             held = f" (stage {self.stage} holds no LM head: the slice computes one)"
-        lines = [f"rank 0 of {lay}: {self.stage_name()}, {len(self.layer_ids)} layers [{kinds}]{extra}{held}",
-                 f"  {self.local_experts} of {full.n_routed_experts} experts, top-{full.n_activated_experts}: "
-                 f"{self.tokens_per_expert(seq_len, micro_batch):,.0f} tokens per expert a micro-batch of "
-                 f"{micro_batch} x {seq_len} ({self.routed_tokens(seq_len, micro_batch):,} tokens routed by the rank)"]
+        experts = f"  {self.local_experts} of {full.n_routed_experts} experts, top-{full.n_activated_experts}: "
+        if train:
+            experts += (f"{self.tokens_per_expert(seq_len, micro_batch):,.0f} tokens per expert a micro-batch of "
+                        f"{micro_batch} x {seq_len} ({self.routed_tokens(seq_len, micro_batch):,} tokens routed by "
+                        "the rank)")
+        else:
+            experts += (f"a decode step of B tokens gives each expert B x {full.n_activated_experts} / "
+                        f"{self.local_experts} rows (its EP peers' tokens included)")
+        lines = [f"rank 0 of {lay}: {self.stage_name()}, {len(self.layer_ids)} layers [{kinds}]{extra}{held}", experts]
         if lay.tp > 1:
             lines.append(f"  TP{lay.tp}: {full.n_heads // lay.tp} of {full.n_heads} heads, 1/{lay.tp} of the shared "
                          f"expert and the vocabulary, {seq_len // lay.tp} positions between sublayers")
@@ -188,9 +193,10 @@ class RankShape:
                      "  communication absent (one device): no EP all-to-all; every rank decodes its own batch")
         return lines
 
-    def summary(self, seq_len: int, micro_batch: int) -> dict:
-        """The rank shape as JSON (the bench's report and its records)."""
-        return {"layout": str(self.layout), "tp": self.layout.tp, "pp": self.layout.pp, "ep": self.layout.ep,
+    def summary(self, seq_len: int, micro_batch: int, train: bool = True) -> dict:
+        """The rank shape as JSON (the bench's report and its records); a rollout rank's rows per expert are its
+        decode rows' (batch x k / local experts)."""
+        out = {"layout": str(self.layout), "tp": self.layout.tp, "pp": self.layout.pp, "ep": self.layout.ep,
                 "etp": self.layout.etp, "cp": self.layout.cp, "dp": self.layout.dp, "world": self.layout.world,
                 "stage": self.stage_name(), "stage_layers": list(self.stage_layers),
                 "layer_ids": list(self.layer_ids), "mtp": self.mtp,
@@ -202,6 +208,10 @@ class RankShape:
                 "routed_tokens": self.routed_tokens(seq_len, micro_batch), "seq_len": seq_len,
                 "micro_batch": micro_batch, "flops_share": self.flops_share,
                 "left_out": [f"{a}/{r}" for a, r in self.left_out], "communication": "absent"}
+        if not train:
+            for key in ("tokens_per_expert", "routed_tokens", "seq_len", "micro_batch", "flops_share"):
+                out.pop(key)
+        return out
 
 
 def rank_shape(full: ModelConfig, layout: RankLayout, stage_layers: tuple[int, ...], stage: str = "mixed",

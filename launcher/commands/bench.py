@@ -353,8 +353,8 @@ def build_rank(model: str, overrides: dict, rank_of: str, stage: str, layers: in
         try:
             split = pipeline_split(full.n_layers, lay.pp, lay.first, lay.last, lay.layout)
         except ValueError as e:
-            raise ValueError(f"{e} (e.g. --rank-of '{rank_of} FIRST=4 LAST=3', the split of presets/full.env)") \
-                from None
+            raise ValueError(f"{e}: add FIRST= and LAST= to --rank-of (V4-Flash over PP8: FIRST=4 LAST=3, as "
+                             "presets/full.env) or LAYOUT=") from None
         rank = rank_shape(full, lay, tuple(split), stage, layers, train=train, seq_len=seq_len)
         return rank, rank.model_config()
     except (KeyError, ValueError, TypeError) as e:
@@ -453,7 +453,7 @@ def bench_rollout(device, model, model_overrides, attn_impl, rank_of, stage, lay
     dev_name = torch.cuda.get_device_name() if cuda else "cpu"
     report = {"device": dev_name, "model": model, "overrides": overrides,
               "experts": cfg.n_routed_experts, "top_k": cfg.n_activated_experts, "layers": cfg.n_layers,
-              "rank": rank.summary(plen, 1) if rank else None,
+              "rank": rank.summary(plen, 1, train=False) if rank else None,
               "copy_bandwidth_gb_s": bw / 1e9, "graph_capture_failed": rb.decode.GraphedStep.capture_failed,
               "compile_failed": rb.decode.GraphedStep.compile_failed,
               "decode": [{**asdict(r), "tokens_per_expert": r.batch * cfg.n_activated_experts / cfg.n_routed_experts}
