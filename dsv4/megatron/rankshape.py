@@ -183,7 +183,9 @@ class RankShape:
         lines = [f"rank 0 of {lay}: {self.stage_name()}, {len(self.layer_ids)} layers [{kinds}]{extra}{held}", experts]
         if lay.tp > 1:
             lines.append(f"  TP{lay.tp}: {full.n_heads // lay.tp} of {full.n_heads} heads, 1/{lay.tp} of the shared "
-                         f"expert and the vocabulary, {seq_len // lay.tp} positions between sublayers")
+                         f"expert and the vocabulary, {seq_len // lay.tp} positions between sublayers"
+                         + (f"; ETP{lay.etp}: 1/{lay.etp} of each expert's FFN on the whole sequence" if lay.etp > 1
+                            else ""))
         if self.left_out:
             lines.append("  left out of the slice (too few layers): "
                          + ", ".join(f"{a}/{r}" for a, r in self.left_out))
