@@ -129,6 +129,40 @@ def _fuse_adam(optimizer) -> None:
                     state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
 
 
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract, (the fp32 L2 norm of every tensor as one element, None), from foreach
+    norms. megatron's own fallback without apex or TransformerEngine builds `torch.tensor` from a list of device
+    scalars: a host sync per parameter at every step's gradient norm (480 at 32 local experts)."""
+    norms = [n for tensors in tensor_lists if tensors for n in torch._foreach_norm(tensors)]
+    if not norms:
+        return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale's contract, dst = src * scale, in multi-tensor kernels: megatron's fallback runs a
+    multiply, a temporary and a copy per parameter, as when it copies the fp32 master weights into the bf16 ones
+    (scale 1) after every update."""
+    src, dst = tensor_lists
+    if scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    elif all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _foreach_megatron_fallbacks() -> None:
+    """Put the foreach forms above where megatron chose its per-tensor fallbacks (no apex or TransformerEngine)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+    if getattr(clip_grads, "l2_norm_impl", None) is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    for mod in (clip_grads, optimizer):
+        if getattr(mod, "multi_tensor_scale_impl", None) is utils.local_multi_tensor_scale:
+            mod.multi_tensor_scale_impl = foreach_scale
+
+
 def quiet_libraries() -> None:
     """Silence library chatter that says nothing about this run: megatron's import-time notices (no
     TransformerEngine/Apex: expected), its once-per-process async-save deprecation notice (our saves are
@@ -256,6 +290,7 @@ class Trainer:
         cfg = tc.model
         _thread_queue_for_checkpoint_writes()
         _mixed_dtype_optimizer_checkpoints()
+        _foreach_megatron_fallbacks()
         self.ranks = Ranks.current()
         tc.layout.validate(cfg, self.ranks.world, tc.seq_len)
         self.n_micro = tc.micro_batches_per_step(self.ranks.dp)
