@@ -40,9 +40,12 @@ def rl_config(cfg: dict, task, scratch: Path):
 
 
 def sync_path(cfg: dict) -> str:
+    if cfg["PRESET_RL_SYNC"] == "inproc" and cfg.get("V4_ROLLOUT_ENGINE", "embedded") != "embedded":
+        raise ValueError(f"PRESET_RL_SYNC=inproc, but V4_ROLLOUT_ENGINE={cfg['V4_ROLLOUT_ENGINE']} serves from its own "
+                         f"process: use broadcast or disk (or auto)")
     if cfg["PRESET_RL_SYNC"] != "auto":
         return cfg["PRESET_RL_SYNC"]
-    return "broadcast" if cfg.get("V4_ROLLOUT_ENGINE") == "sglang" else "inproc"
+    return "inproc" if cfg.get("V4_ROLLOUT_ENGINE", "embedded") == "embedded" else "broadcast"
 
 
 def train_config(cfg: dict, rl, prompt_len: int):
@@ -67,9 +70,17 @@ def train_config(cfg: dict, rl, prompt_len: int):
         recompute="full" if cfg.get("HW_RECOMPUTE_GRANULARITY") == "full" else "none", device=cfg["HW_DEVICE"])
 
 
-def rollout_engine(cfg: dict, tc, rl):
-    """The embedded engine in this process, or (V4_ROLLOUT_ENGINE=sglang) the servers the rollout-up step started,
-    one client each behind an EngineGroup; their weights then travel by broadcast or disk."""
+def rollout_engine(cfg: dict, tc, rl, ctx=None):
+    """-> (engine, restarter or None, the server process this job owns or None). The embedded engine in this process; (V4_ROLLOUT_ENGINE=server) the embedded
+    engine behind `v4 rl serve`, a process of its own on rank 0's node that this job starts (and starts again when it
+    dies, within PRESET_MAX_RESTARTS: dsv4/rl/restart.py); or (V4_ROLLOUT_ENGINE=sglang) the servers the rollout-up
+    step started, one client each behind an EngineGroup. Served weights travel by broadcast or disk."""
+    from dsv4.rl.restart import Restarter
+    budget = int(cfg.get("PRESET_MAX_RESTARTS") or 0)
+    record = ctx.step_dir("train") / "rollout_restarts.jsonl" if ctx is not None else None
+    if cfg.get("V4_ROLLOUT_ENGINE") == "server":
+        server = rollout_server(cfg, tc, ctx)
+        return server.start(), Restarter(server.restart, budget, record, log), server
     if cfg.get("V4_ROLLOUT_ENGINE", "embedded") == "sglang":
         from dsv4.rl.group import EngineGroup
         from dsv4.rl.http import HTTPEngine
@@ -78,11 +89,34 @@ def rollout_engine(cfg: dict, tc, rl):
         gpus = int(cfg["V4_ROLLOUT_TP"]) * int(cfg["V4_ROLLOUT_DP"])      # each server's ranks in the sync group
         engine = EngineGroup([HTTPEngine(u, routed_experts_shape=shape) for u in urls], [gpus] * len(urls))
         engine.wait_healthy(float(cfg.get("V4_ROLLOUT_HEALTH_TIMEOUT") or 300))
-        return engine
+        return engine, None, None        # the launcher's servers: not restarted from here
     from dsv4.model import Transformer
     from dsv4.rl.engine import EmbeddedEngine
-    return EmbeddedEngine(Transformer(tc.model, init=False).to(tc.device), max_seq_len=tc.seq_len + 1,
-                          model_path="trainer", seed=tc.seed)
+
+    def build():
+        return EmbeddedEngine(Transformer(tc.model, init=False).to(tc.device), max_seq_len=tc.seq_len + 1,
+                              model_path="trainer", seed=tc.seed)
+    return build(), Restarter(build, budget, record, log), None
+
+
+def rollout_server(cfg: dict, tc, ctx):
+    """The `v4 rl serve` process of V4_ROLLOUT_ENGINE=server: the run's model (random weights until the first sync)
+    on loopback at a port free now, kept for its restarts; its log and pid in RUN/steps/train/rollout_server.*."""
+    import os
+
+    from dsv4.megatron.launch import free_port
+    from dsv4.rl.restart import ServerProcess
+    root = Path(__file__).resolve().parents[1]
+    port = free_port()
+    overrides = cfg.get("PRESET_MODEL_OVERRIDES") or []
+    specs = [s for s in (overrides if isinstance(overrides, list) else [overrides]) if s]
+    argv = [sys.executable, "-m", "launcher", "rl", "serve", "--model", cfg["PRESET_MODEL"],
+            *[a for s in specs + [f"attn_impl={tc.model.attn_impl}"] for a in ("--model-overrides", s)],
+            "--seed", str(tc.seed), "--device", "cuda" if str(tc.device).startswith("cuda") else "cpu", "--host", "127.0.0.1", "--port", str(port)]
+    step = ctx.step_dir("train")
+    return ServerProcess(argv, f"http://127.0.0.1:{port}", step / "rollout_server.log", step / "rollout_server.json",
+                         cwd=str(root), env={**os.environ, "PYTHONPATH": str(root)},
+                         health_timeout=float(cfg.get("V4_ROLLOUT_HEALTH_TIMEOUT") or 300))
 
 
 def make_task(cfg: dict, bf16_dir: Path):
@@ -124,8 +158,17 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: RLJob
     torch_dist = ctx.paths.torch_dist_dir
     out = Outputs(checkpoints=ctx.paths.checkpoints, init_checkpoint=torch_dist if done(torch_dist) else None,
                   nonfinite=ctx.step_dir("train") / "nonfinite.json")
-    engine = rollout_engine(cfg, tc, job.rl) if rank == 0 else None
-    return run_grpo(tc, job.rl, task, reward_fn, engine, out, on_metrics=ctx.write_metrics, log=log)
+    from dsv4.rl.restart import EngineGone
+    engine, restarter, server = rollout_engine(cfg, tc, job.rl, ctx) if rank == 0 else (None, None, None)
+    try:
+        return run_grpo(tc, job.rl, task, reward_fn, engine, out, on_metrics=ctx.write_metrics, log=log,
+                        restarter=restarter)
+    except EngineGone as e:
+        log(f"error: {e}")
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def main(argv=None) -> int:

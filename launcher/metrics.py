@@ -72,6 +72,9 @@ class MetricsRow(BaseModel):
     time_train_s: float | None = None
     time_sync_s: float | None = None
     time_wait_s: float | None = None
+    # a rollout engine lost during the step and restarted (dsv4/rl/restart.py), and the samples rolled out again
+    rollout_restarts: int | None = None
+    rollout_regenerated_samples: int | None = None
 
 
 @dataclass

@@ -372,14 +372,19 @@ def _read_back(engine, weights: dict[str, torch.Tensor], fmt: str, probe: int = 
 
 # ================================================================================================ the loop
 def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, out: Outputs,
-             on_metrics: Callable[[dict], None] = lambda row: None, log: Callable[[str], None] = print) -> int:
+             on_metrics: Callable[[dict], None] = lambda row: None, log: Callable[[str], None] = print,
+             restarter=None) -> int:
     """tc.num_steps // rl.minibatches GRPO steps (resuming from out.checkpoints). Returns 0, 1 (no learning
     signal) or 16.
     Every rank calls it; rank 0 holds the engine (None elsewhere), rolls out, scores, syncs and writes metrics,
     and hands each step's batch to all ranks, each of which trains on its data-parallel share.
     With FP8 sync the trainer's forward goes through the same FP8 quantisation (ModelConfig.qat_rollout_fp8): the
     policy it scores and updates is the one the engine samples with, as miles trains FP8 rollouts. The engine,
-    whose weights all arrive through the sync, needs no such point."""
+    whose weights all arrive through the sync, needs no such point.
+    restarter (rank 0, `dsv4.rl.restart.Restarter`): an engine lost during a rollout or a sync is restarted, gets
+    the weights last synced, and the step's rollout (all of its samples, same prompts and seeds) or its sync runs
+    again; the row counts `rollout_restarts` and `rollout_regenerated_samples`. Without one a lost engine fails
+    the job."""
     if rl.sync_format == "fp8":
         tc = replace(tc, model=tc.model.with_overrides(qat_rollout_fp8=True))
     trainer = RLTrainer(tc, rl, init=None)
@@ -394,8 +399,29 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
     cfg = tc.model
     weights = full_weights(trainer)
     ref_model = _reference_policy(trainer, weights, out, start) if rl.kl_coef > 0 and lead else None
+    synced = [weights, str(start)]          # what the engine holds: pushed again to a restarted engine
+    lost = {"restarts": 0, "samples": 0}    # this step's
+
+    def on_engine(phase: str, step: int, call: Callable):
+        """call(engine), again on a restarted engine while the engine is lost (rank 0)."""
+        nonlocal engine
+        from dsv4.rl.restart import EngineGone, engine_lost
+        while True:
+            try:
+                return call(engine)
+            except Exception as e:  # noqa: BLE001 - engine_lost decides; anything else is raised as it was
+                if not engine_lost(e, engine):
+                    raise
+                if restarter is None:
+                    raise EngineGone(f"step {step}: the rollout engine was lost during {phase} ({type(e).__name__}: "
+                                     f"{e}); this job restarts no engine") from e
+                engine = restarter.restart(e, step, phase, lambda eng: push_weights(eng, synced[0], cfg, rl, synced[1]))
+                lost["restarts"] += 1
+                if phase == "rollout":
+                    lost["samples"] += rl.prompts_per_step * rl.group_size
+
     if lead:
-        rep = push_weights(engine, weights, cfg, rl, str(start))
+        rep = on_engine("sync", start, lambda eng: push_weights(eng, weights, cfg, rl, str(start)))
         say(f"weights synced to the rollout engine (version {start}, {rep.bytes / 1e6:.1f} MB, {rep.seconds:.2f} s, "
             f"{rl.sync_path}/{rl.sync_format})")
     n = rl.prompts_per_step * rl.group_size
@@ -405,11 +431,13 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
     kill_at = int(os.environ.get("V4_KILL_AT_STEP", "0") or 0)     # test hook, as in the SFT loop
     for step in range(start + 1, steps + 1):
         clock = StepClock()
+        lost.update(restarts=0, samples=0)
         if step == kill_at and lead:
             say(f"V4_KILL_AT_STEP={kill_at}: killing the job at the start of step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
         with clock.part("rollout"):
-            roll = _rollout(engine, task, reward_fn, rl, step, tc, cfg, ref_model, trainer.allowed) if lead else None
+            roll = on_engine("rollout", step, lambda eng: _rollout(eng, task, reward_fn, rl, step, tc, cfg, ref_model,
+                                                                   trainer.allowed)) if lead else None
         if lead:                               # the reference policy's scoring, timed inside _rollout
             clock.move("rollout", "logprob", roll["ref_s"])
         batch = _share(roll["batch"] if lead else None, ranks)
@@ -434,7 +462,8 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
         stats, agree = _gather_stats(stats, trainer, ranks)
         with clock.part("sync"):
             weights = full_weights(trainer)
-            rep = push_weights(engine, weights, cfg, rl, str(step)) if lead else None
+            rep = on_engine("sync", step, lambda eng: push_weights(eng, weights, cfg, rl, str(step))) if lead else None
+            synced[:] = [weights, str(step)]
         stop = None
         if lead:
             rewards, live_groups = roll["rewards"], roll["live_groups"]
@@ -442,6 +471,7 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
             row = _metrics_row(step, res, stats, rewards, live_groups, roll["results"], roll["rollout_s"], rep,
                                agree, n, tc, step_s)
             row.update(clock.row(step_s))
+            row.update(rollout_restarts=lost["restarts"], rollout_regenerated_samples=lost["samples"])
             on_metrics(row)
             say(f"step {step}/{steps} reward {row['reward_mean']:.3f} (live groups {live_groups:.2f}) "
                 f"loss {res.loss:.4f} |dlogp| max {row['logprob_diff_max']:.2e} route agree "

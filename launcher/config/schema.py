@@ -101,7 +101,8 @@ KEYS: list[Key] = [
     _k("V4_NCCL_IB_DISABLE", "bool", 0, "cluster", "set NCCL_IB_DISABLE=1 for jobs (hosts whose IB driver rejects memory registration)"),
     # --- RL rollout engine (PRESET_MODE=rl) --------------------------------------------------------
     _k("V4_ROLLOUT_ENGINE", "enum", "embedded", "cluster",
-       "RL rollouts: the embedded engine inside the trainer, or SGLang servers the launcher starts", ("embedded", "sglang")),
+       "RL rollouts: the embedded engine inside the trainer, the embedded engine as a `v4 rl serve` process the RL job "
+       "starts beside rank 0 (server), or SGLang servers the launcher starts", ("embedded", "server", "sglang")),
     _k("V4_ROLLOUT_NODES", "list", "", "cluster",
        "cluster nodes that run an SGLang rollout server, space-separated (empty: the trainer's nodes, colocated)"),
     _k("V4_ROLLOUT_TP", "int", 1, "cluster", "SGLang --tp-size of each rollout server"),
