@@ -1,25 +1,30 @@
 """The same job step under the Ray executor and the local one: what its processes see, and how long it takes.
 
-    .venv/bin/python benchmarks/bench_executor.py [--ranks 2] [--mb 256] [--repeat 1] [--json]
+    .venv/bin/python benchmarks/bench_executor.py [--ranks 2] [--mb 256] [--repeat 1] [--with-cap] [--hw cpu] [--json]
 
-Starts a local Ray cluster of its own (free ports, its own V4_LOCAL_DIR, `v4 cluster down` at the end), then runs
-one job step under both executors, the way the pipeline does: a Ray job through the Jobs API
+Starts a local Ray cluster of its own (free ports, its own V4_LOCAL_DIR and V4_WORK, `v4 cluster down` at the end),
+then runs one job step under both executors, the way the pipeline does: a Ray job through the Jobs API
 (launcher.jobs.submit_and_wait) and a local subprocess (launcher.pipeline.run_local), each with the environment the
-plan gives every job (launcher.plan.job_env). The step (this file with `--job`) records the facts of its process
-(thread variables, CPU affinity, torch's threads, nice level, Ray's variables), times a CPU workload shaped like the
-dequantize and convert steps (FP8 block dequantization into bf16, a bf16 cast and a GEMM: torch's intra-op threads),
-then starts `--ranks` ranks through dsv4.megatron.launch (Ray actors under Ray, spawned processes under local) that
-record their facts and time the same workload. With the ranks, the job's CPU reservation is theirs plus the driver's.
+plan gives every job (launcher.plan.job_env); with --with-cap also a Ray job that keeps the OMP_NUM_THREADS Ray sets
+(V4_KEEP_RAY_THREAD_CAP=1: how every Ray job ran before dsv4/procenv.py). The step (this file with `--job`) starts
+as every job does (jobs.common.RunContext.load), records the facts of its process (thread variables, CPU affinity,
+torch's threads, nice level, cgroup CPU limit, Ray's variables, the compile cache), times a CPU workload shaped like
+the dequantize and convert steps (FP8 block dequantization into bf16, a bf16 cast, a GEMM: torch's intra-op threads),
+then starts `--ranks` ranks through dsv4.megatron.launch (Ray actors under Ray, spawned processes under local; on
+`--hw h200` GPU ranks, one a GPU) that record their facts and time the same workload.
 
-Prints the facts side by side (a row marked `*` differs between the executors) and the timings with ray/local
-ratios: job start (submit -> the entrypoint's first line), the first log line seen by the launcher, the entrypoint's
-workload, rank start (launch -> every rank running) and the ranks' workload, the whole job.
+Prints the facts side by side (`*`: a variant's value differs from local's) and the seconds of each part, best of
+--repeat, with their ratio to local's: job start (submit -> the entrypoint's first line), the first log line the
+launcher sees, the entrypoint's workload, rank start (launch -> the last rank running), the ranks' workload (the
+slowest rank), the whole job.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -31,7 +36,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS",
                "CUDA_VISIBLE_DEVICES")
-RESULT = "bench_executor.{executor}.json"
+RESULT = "bench_executor.{variant}.json"
 
 
 # --- inside the job ------------------------------------------------------------------------------
@@ -100,14 +105,14 @@ def rank_probe(rank: int, world: int, master_addr: str, master_port: int, payloa
     return 0
 
 
-def job_main(run_dir: Path, executor: str, ranks: int, mb: int) -> int:
+def job_main(run_dir: Path, variant: str, ranks: int, mb: int, device: str) -> int:
     started = time.time()
     print(f"bench_executor job started at {started:.3f}", flush=True)
     from jobs.common import RunContext
     RunContext.load(run_dir)                  # what every job does first (it sets the entrypoint's threads)
     facts = process_facts()
     timings = workload(mb)
-    rank_dir = run_dir / f"ranks-{executor}"
+    rank_dir = run_dir / f"ranks-{variant}"
     shutil.rmtree(rank_dir, ignore_errors=True)
     rank_dir.mkdir(parents=True)
     rank_rows = []
@@ -115,12 +120,12 @@ def job_main(run_dir: Path, executor: str, ranks: int, mb: int) -> int:
     if ranks:
         from dsv4.megatron.launch import launch
         launched = time.time()
-        code = launch(rank_probe, ranks, {"dir": str(rank_dir), "mb": mb}, "cpu", log=print,
-                      local=executor == "local")
+        code = launch(rank_probe, ranks, {"dir": str(rank_dir), "mb": mb}, device, log=print,
+                      local=not variant.startswith("ray"))
         if code:
             return code
         rank_rows = [json.loads((rank_dir / f"{r}.json").read_text()) for r in range(ranks)]
-    (run_dir / RESULT.format(executor=executor)).write_text(json.dumps({
+    (run_dir / RESULT.format(variant=variant)).write_text(json.dumps({
         "started": started, "facts": facts, "timings": timings, "launched": launched, "ranks": rank_rows}))
     return 0
 
@@ -134,16 +139,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_once(cfg, executor: str, run_dir: Path, ranks: int, mb: int, tag: str) -> dict:
-    """The job under `executor`: the launcher-side timings and what the job recorded."""
+# name -> (executor, extra job environment)
+VARIANTS = {"local": ("local", {}), "ray": ("ray", {}),
+            "ray, Ray's cap kept": ("ray", {"V4_KEEP_RAY_THREAD_CAP": "1"})}
+
+
+def run_once(cfg, variant: str, run_dir: Path, ranks: int, mb: int, tag: str) -> dict:
+    """The job as `variant` runs it: the launcher-side timings and what the job recorded."""
     from launcher import jobs, pipeline, plan
-    env = plan.job_env(cfg, str(run_dir))
-    env["V4_JOB_DRIVER_CPUS"] = "1"
+    executor, extra = VARIANTS[variant]
+    env = {**plan.job_env(cfg, str(run_dir)), "V4_JOB_DRIVER_CPUS": "1", **extra}
     job = plan.JobSpec(
         submission_id=f"bench-executor-{tag}-{os.getpid()}", runtime_env={
             "working_dir": str(ROOT), "excludes": plan.working_dir_excludes(ROOT), "env_vars": env},
-        entrypoint=f"{plan.python_on_nodes(cfg)} -m benchmarks.bench_executor --job {run_dir} --executor {executor} "
-                   f"--ranks {ranks} --mb {mb}",
+        entrypoint=f"{plan.python_on_nodes(cfg)} -m benchmarks.bench_executor --job {run_dir} "
+                   f"--variant {shlex.quote(variant)} --ranks {ranks} --mb {mb} --device {cfg['HW_DEVICE']}",
         entrypoint_num_cpus=1, entrypoint_num_gpus=0, timeout_s=600, submit="")
     first_line = []
 
@@ -160,8 +170,8 @@ def run_once(cfg, executor: str, run_dir: Path, ranks: int, mb: int, tag: str) -
         out = jobs.submit_and_wait(cfg, job, log_path=log, progress=progress)
     t1 = time.time()
     if not out.ok:
-        raise SystemExit(f"the {executor} job failed ({out.status}, exit {out.exit_code}):\n{out.log_tail}")
-    rec = json.loads((run_dir / RESULT.format(executor=executor)).read_text())
+        raise SystemExit(f"the {variant} job failed ({out.status}, exit {out.exit_code}):\n{out.log_tail}")
+    rec = json.loads((run_dir / RESULT.format(variant=variant)).read_text())
     rec["submitted"], rec["ended"] = t0, t1
     rec["first_line"] = first_line[0] if first_line else None
     return rec
@@ -185,24 +195,33 @@ def summarize(rec: dict) -> dict:
     return row
 
 
-def facts_table(local: dict, ray: dict, work: Path) -> list[tuple[str, str, str, str]]:
+def facts_table(recs: dict[str, dict], work: Path) -> list[list[str]]:
+    """[mark, fact, value under each variant]; mark `*` where a variant's value differs from local's."""
+    def short(v) -> str:
+        v = str(v).replace(str(work), "$V4_WORK")
+        return re.sub(r"\$V4_WORK/compile-cache/[^/]+/", "$CACHE/", v)    # the key: one row of its own
+
+    first = next(iter(recs.values()))
+    procs = [("entrypoint", lambda r: r["facts"])]
+    procs += [(f"rank {i}", lambda r, i=i: r["ranks"][i]["facts"]) for i in range(len(first["ranks"]))]
     rows = []
-    short = lambda v: str(v).replace(str(work), "$V4_WORK")
-    procs = [("entrypoint", local["facts"], ray["facts"])]
-    procs += [(f"rank {i}", a["facts"], b["facts"]) for i, (a, b) in enumerate(zip(local["ranks"], ray["ranks"]))]
-    for who, a, b in procs:
-        for k in a:
-            rows.append(("*" if short(a[k]) != short(b[k]) else " ", f"{who}: {k}", short(a[k]), short(b[k])))
+    for who, get in procs:
+        for k in get(first):
+            vals = [short(get(r)[k]) for r in recs.values()]
+            rows.append(["*" if len(set(vals)) > 1 else " ", f"{who}: {k}", *vals])
+    cache = first["ranks"][0]["facts"].get("TILELANG_CACHE_DIR", "-") if first["ranks"] else "-"
+    if cache != "-":
+        rows.append([" ", "$CACHE = $V4_COMPILE_CACHE/", *[Path(cache).parent.name] * len(recs)])
     return rows
 
 
-def start_ray(tmp: Path, cpus: int):
+def start_ray(tmp: Path, hw: str, cpus: int):
     from launcher import cluster
     from launcher.config import Selection, resolve
     local = Path(f"/tmp/v4bx-{os.getpid()}")      # short: Ray's AF_UNIX socket paths live below it
     sets = (f"V4_RAY_PORT={_free_port()}", f"V4_DASHBOARD_PORT={_free_port()}", f"V4_RAY_CLIENT_PORT={_free_port()}",
             f"V4_LOCAL_DIR={local}", f"V4_RAY_NUM_CPUS={cpus}", f"V4_WORK={tmp}")
-    cfg = resolve(Selection(cluster="local", hw="cpu", sets=sets))
+    cfg = resolve(Selection(cluster="local", hw=hw, sets=sets))
     say = lambda m: print(m, file=sys.stderr, flush=True)
     st = cluster.up(cfg, progress=say)
     if not st.healthy:
@@ -214,47 +233,63 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2, help="ranks the step starts through dsv4.megatron.launch (0: none)")
     ap.add_argument("--mb", type=int, default=256, help="MB of FP8 weights the workload dequantizes")
-    ap.add_argument("--repeat", type=int, default=1, help="runs under each executor, alternating (the best counts)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each variant, alternating (the best counts)")
+    ap.add_argument("--hw", default="cpu", help="hardware layer (h200: GPU ranks, one a GPU, as a training step's)")
+    ap.add_argument("--with-cap", action="store_true",
+                    help="also run the Ray job with Ray's OMP_NUM_THREADS cap left in place (as before the fix)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)          # inside the job: its run directory
-    ap.add_argument("--executor", default="local", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default="local", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.job:
-        sys.exit(job_main(a.job, a.executor, a.ranks, a.mb))
+        sys.exit(job_main(a.job, a.variant, a.ranks, a.mb, a.device))
 
     from launcher import cluster
     from launcher.pipeline import quiet_ray_sdk
     quiet_ray_sdk()
+    variants = [v for v in VARIANTS if a.with_cap or "cap" not in v]
     tmp = Path(tempfile.mkdtemp(prefix="v4-bench-executor-"))
-    cfg, local = start_ray(tmp, cpus=a.ranks + 1)
+    cfg, local = start_ray(tmp, a.hw, cpus=a.ranks + 1)
     try:
-        runs: dict[str, list[dict]] = {"local": [], "ray": []}
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
         for i in range(a.repeat):
-            for executor in ("local", "ray"):
-                run_dir = tmp / "runs" / f"{executor}{i}"
+            for n, v in enumerate(variants):
+                run_dir = tmp / "runs" / f"{n}-{i}"
                 run_dir.mkdir(parents=True)
-                runs[executor].append(run_once(cfg, executor, run_dir, a.ranks, a.mb, f"{executor}{i}"))
+                runs[v].append(run_once(cfg, v, run_dir, a.ranks, a.mb, f"{n}-{i}"))
     finally:
         cluster.down(cfg)
         shutil.rmtree(local, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    parts = {ex: [summarize(r) for r in rs] for ex, rs in runs.items()}
-    best = {ex: {k: min(p[k] for p in ps) for k in ps[0]} for ex, ps in parts.items()}
-    facts = facts_table(runs["local"][-1], runs["ray"][-1], tmp)
+    parts = {v: [summarize(r) for r in rs] for v, rs in runs.items()}
+    best = {v: {k: min(p[k] for p in ps) for k in ps[0]} for v, ps in parts.items()}
+    facts = facts_table({v: rs[-1] for v, rs in runs.items()}, tmp)
+    head = {"cpus": os.cpu_count(), "physical_cores": _cores(), "ranks": a.ranks, "mb": a.mb, "hw": a.hw,
+            "repeat": a.repeat}
     if a.json:
-        print(json.dumps({"cpus": os.cpu_count(), "ranks": a.ranks, "mb": a.mb, "seconds": best,
-                          "runs": parts, "facts": facts}, indent=2))
+        print(json.dumps({**head, "seconds": best, "runs": parts, "facts": facts}, indent=2))
         return
-    print(f"{os.cpu_count()} CPUs here, {a.ranks} rank(s), workload {a.mb} MB of FP8 weights; best of {a.repeat}")
-    w, wl, wr = (max(len(r[i]) for r in facts) for i in (1, 2, 3))
-    print(f"\n  {'fact (* differs)':<{w}}  {'local':>{wl}}  {'ray':>{wr}}")
-    for mark, k, lv, rv in facts:
-        print(f"{mark} {k:<{w}}  {lv:>{wl}}  {rv:>{wr}}")
+    print(f"{head['cpus']} CPUs ({head['physical_cores']} physical cores) here, hw {a.hw}, {a.ranks} rank(s), "
+          f"workload {a.mb} MB of FP8 weights; best of {a.repeat}")
+    widths = [max(len(r[i]) for r in facts) for i in range(1, len(variants) + 2)]
+    print("\n  " + "  ".join(f"{h:>{w}}" if i else f"{h:<{w}}"
+                              for i, (h, w) in enumerate(zip(["fact (* differs)", *variants], widths))))
+    for mark, *cells in facts:
+        print(f"{mark} " + "  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths))))
     w = max(len(k) for k in best["local"])
-    print(f"\n{'seconds':<{w}}  {'local':>8}  {'ray':>8}  {'ray/local':>9}")
+    others = [v for v in variants if v != "local"]
+    print(f"\n{'seconds':<{w}}  {'local':>8}" + "".join(f"  {v:>{max(8, len(v))}}  {'/local':>6}" for v in others))
     for k in best["local"]:
-        lv, rv = best["local"][k], best["ray"][k]
-        print(f"{k:<{w}}  {lv:8.3f}  {rv:8.3f}  {rv / lv if lv > 0 else float('nan'):9.2f}")
+        lv = best["local"][k]
+        cells = "".join(f"  {best[v][k]:>{max(8, len(v))}.3f}  {best[v][k] / lv if lv > 0 else float('nan'):6.2f}"
+                        for v in others)
+        print(f"{k:<{w}}  {lv:8.3f}{cells}")
+
+
+def _cores() -> int:
+    from dsv4.procenv import physical_cores
+    return physical_cores()
 
 
 if __name__ == "__main__":

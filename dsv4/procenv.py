@@ -34,6 +34,8 @@ from pathlib import Path
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # set beside OMP_NUM_THREADS where this module set it: a value of ours is never taken for Ray's
 OURS = "V4_CPU_THREADS_SET"
+# =1: leave Ray's cap as it is (benchmarks/bench_executor.py --with-cap measures what it costs)
+KEEP_CAP = "V4_KEEP_RAY_THREAD_CAP"
 CACHE_ROOT = "V4_COMPILE_CACHE"            # the root (config key V4_COMPILE_CACHE, in every job's environment)
 CACHE_DIR = "V4_COMPILE_CACHE_DIR"         # the subdirectory this process uses, once activated
 CACHE_VARS = {"tilelang": "TILELANG_CACHE_DIR", "inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR"}
@@ -96,7 +98,7 @@ def ray_thread_cap() -> str | None:
     """OMP_NUM_THREADS where Ray set it (the Python of this Ray worker process, or of the job supervisor that
     started this entrypoint), else None: unset, set by the job's environment, or set by this module."""
     value = os.environ.get("OMP_NUM_THREADS")
-    if value is None or os.environ.get(OURS) == value:
+    if value is None or os.environ.get(OURS) == value or os.environ.get(KEEP_CAP) == "1":
         return None
     worker = _ray_worker_ancestor(os.getpid())
     if worker is None:

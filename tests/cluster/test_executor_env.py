@@ -36,15 +36,18 @@ def ray_cfg(tmp_path_factory):
     subprocess.run(["rm", "-rf", str(local)])
 
 
-@pytest.mark.slow       # a Ray cluster, a Ray job with two actors and a local job with two ranks: ~40 s
+@pytest.mark.slow       # a Ray cluster, two Ray jobs with two actors each, a local job with two ranks: ~60 s
 def test_ray_and_local_processes_see_the_same_threads_affinity_and_cache(ray_cfg, tmp_path):
     from dsv4.procenv import cache_key, physical_cores
     got = {}
-    for executor in ("local", "ray"):
-        run_dir = tmp_path / executor
+    for n, variant in enumerate(B.VARIANTS):          # local, ray, and ray with the cap Ray sets left in place
+        run_dir = tmp_path / str(n)
         run_dir.mkdir()
-        got[executor] = B.run_once(ray_cfg, executor, run_dir, ranks=2, mb=1, tag=executor)
-    local, ray = got["local"], got["ray"]
+        got[variant] = B.run_once(ray_cfg, variant, run_dir, ranks=2, mb=1, tag=str(n))
+    local, ray, capped = got.values()
+    # what Ray does by itself, and v4 undoes: one thread in the entrypoint and in every actor
+    assert capped["facts"]["OMP_NUM_THREADS"] == "1" and capped["facts"]["torch threads"] == 1
+    assert [r["facts"]["OMP_NUM_THREADS"] for r in capped["ranks"]] == ["1", "1"]
     assert len(local["ranks"]) == len(ray["ranks"]) == 2
     for who, a, b in [("entrypoint", local["facts"], ray["facts"]),
                       *((f"rank {i}", x["facts"], y["facts"]) for i, (x, y) in enumerate(zip(local["ranks"],
