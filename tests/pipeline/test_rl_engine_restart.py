@@ -1,0 +1,116 @@
+"""A rollout engine killed mid-run, end to end: `v4 run --preset rl_smoke` on CPU as a Ray job on a local Ray cluster
+(ports of its own), the engine a `v4 rl serve` process beside rank 0 (V4_ROLLOUT_ENGINE=server). Once step 2's row
+is in metrics.jsonl the test SIGKILLs the server. The job must start it again, push it the current weights, roll the
+lost step out again and finish, learning as before; with PRESET_MAX_RESTARTS=0 the same kill fails the run, naming
+the lost engine."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+SAMPLES = 16 * 8        # rl_smoke's prompts x group size: one step's rollout
+RUN = ("--preset", "rl_smoke", "--set", "V4_EXECUTOR=ray", "--set", "V4_ROLLOUT_ENGINE=server",
+       "--set", "PRESET_NUM_STEPS=6", "--set", "PRESET_RL_GATE_WINDOW=3", "--set", "PRESET_RL_REWARD_RISE=0.15",
+       "--set", "PRESET_JOB_TIMEOUT=600", "--json")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """One work directory (the second run reuses the generated and converted checkpoint) and a local Ray of its own."""
+    work = tmp_path_factory.mktemp("rlrestart")
+    local = f"/tmp/v4r-{work.name[-6:]}"            # short: Ray's socket paths live below it
+    sets = (f"V4_WORK={work}", f"V4_LOCAL_DIR={local}", "V4_RAY_NUM_CPUS=3", f"V4_RAY_PORT={free_port()}",
+            f"V4_DASHBOARD_PORT={free_port()}", f"V4_RAY_CLIENT_PORT={free_port()}", f"V4_DIST_PORT={free_port()}")
+    flags = tuple(x for s in sets for x in ("--set", s))
+    yield work, flags
+    subprocess.run([sys.executable, "-m", "launcher", "cluster", "down", "--hw", "cpu", *flags], cwd=ROOT,
+                   capture_output=True, text=True, timeout=300)
+    subprocess.run(["rm", "-rf", local])
+
+
+def rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def run_and_kill(work: Path, flags, *extra) -> tuple[subprocess.CompletedProcess, Path, int]:
+    """Start the run, SIGKILL its rollout server as soon as step 2's row is written; -> (result, run dir, killed pid)."""
+    before = set((work / "runs").glob("stageRL-*")) if (work / "runs").is_dir() else set()
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", *RUN, *extra, "--hw", "cpu", *flags, "--force"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed, run = 0, None
+    try:
+        deadline = time.monotonic() + 600
+        while not killed and proc.poll() is None and time.monotonic() < deadline:
+            new = set((work / "runs").glob("stageRL-*")) - before if (work / "runs").is_dir() else set()
+            run = next(iter(new), None)
+            if run is not None and any(r["step"] == 2 for r in rows(run)):
+                info = json.loads((run / "steps" / "train" / "rollout_server.json").read_text())
+                os.kill(info["pid"], signal.SIGKILL)
+                killed = info["pid"]
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed, "the run never wrote step 2's row"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), run, killed
+
+
+def test_a_killed_rollout_server_is_restarted_and_the_run_goes_on(work):
+    work, flags = work
+    r, run, killed = run_and_kill(work, flags)
+    assert r.returncode == 0, r.stderr[-4000:]
+    summary = json.loads(r.stdout)
+    assert all(g["passed"] for g in json.loads((run / "gates.json").read_text())), r.stderr[-2000:]
+    got = rows(run)
+    assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
+    restarts = [json.loads(line) for line in (run / "steps/train/rollout_restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1 and restarts[0]["step"] == 3, restarts
+    rec = restarts[0]
+    assert "cannot reach the engine" in rec["cause"] and rec["seconds"] > 0
+    print(f"\nengine lost during step 3's {rec['phase']}; back with the current weights in {rec['seconds']:.2f} s")
+    by_step = {m["step"]: m for m in got}
+    assert by_step[3]["rollout_restarts"] == 1
+    # a loss during the rollout regenerates the whole step; one during the sync loses no sample
+    assert by_step[3]["rollout_regenerated_samples"] == (SAMPLES if rec["phase"] == "rollout" else 0)
+    assert all(by_step[s]["rollout_restarts"] == 0 and by_step[s]["rollout_regenerated_samples"] == 0
+               for s in (1, 2, 4, 5, 6))
+    server = json.loads((run / "steps/train/rollout_server.json").read_text())
+    assert server["starts"] == 2 and server["pid"] != killed
+    for m in got:
+        # the new engine holds the trainer's weights: its rollouts score as the trainer scores them
+        assert m["weights_synced"] is True and m["weight_version"] == str(m["step"])
+        assert m["logprob_diff_max"] == m["logprob_diff_max"] and m["logprob_diff_max"] <= 1e-4, m
+        assert m["loss"] == m["loss"] and m["reward_mean"] == m["reward_mean"]
+    first, last = (sum(m["reward_mean"] for m in got[i:i + 3]) / 3 for i in (0, 3))
+    assert last >= first + 0.15, [m["reward_mean"] for m in got]
+    assert "restarting it" in r.stderr and summary["reward_last"] > summary["reward_first"]
+
+
+def test_without_a_restart_the_kill_fails_the_run(work):
+    work, flags = work
+    r, run, _ = run_and_kill(work, flags, "--set", "PRESET_MAX_RESTARTS=0")
+    assert r.returncode != 0
+    log = (run / "steps/train/log").read_text() if (run / "steps/train/log").is_file() else r.stderr
+    assert "the rollout engine was lost" in log and "no restart is left (PRESET_MAX_RESTARTS=0" in log, log[-3000:]
+    assert max(m["step"] for m in rows(run)) == 2
