@@ -12,14 +12,16 @@ and how long a step takes (by part), from the model config and rates measured on
   their fp32 flattening, the attention's q/o at heads/TP, the compressors' fp32 projections, the MoE dispatch rows
   and expert hidden states, the LM head's fp32 logits), sized from the config at a rank's shape (sequence over CP,
   sequence-parallel shards over TP), times the micro-batches the pipeline schedule keeps in flight (1F1B: stage s
-  holds PP - s; interleaved more), plus the largest transient (the indexer's fp32 [S/CP, S/4] scores, which only
+  holds PP - s; interleaved more), the grouped GEMM's stacked copy of the local experts a micro-batch in flight
+  (EP = 1), plus the largest transient (the indexer's fp32 [S/CP, S/4] scores, which only
   CP divides; the logits' gradient; one block's backward). One factor on the inventory and one constant workspace
   are fitted to the measured peaks of the H200 smoke at micro-batch 1 and 2 (`benchmarks/records/
   plan_calibration.jsonl`): the inventory is first principles, its scale is measured.
 * **Time per step.** Compute per rank at rates derived from the H200 smoke's timed step and its profile by part
   (GEMM parts as TFLOP/s, the sparse attention from the TileLang kernels' own records, elementwise work per token
   and layer, a fixed cost per layer and micro-batch from the micro-batch 1 / 2 pair, gradient accumulation and
-  the optimizer per parameter); TP's sequence-parallel gathers and reduce-scatters, EP's all-to-alls (bytes =
+  the optimizer step as bytes a parameter at the bandwidths their kernels reached, the fused Adam's from a
+  32-expert profile); TP's sequence-parallel gathers and reduce-scatters, EP's all-to-alls (bytes =
   tokens x top-k x dim x 2, over NVLink within a node and the network across), CP's gathers of halo rows and
   compressed entries, pipeline p2p and bubble (1F1B, interleaved), and the data-parallel gradient reduction
   (exposed: the trainer runs megatron's DDP with overlap_grad_reduce off; `overlap` models megatron's overlap).
@@ -50,6 +52,16 @@ MODEL_TOLERANCE = {"memory": 0.10, "step_time": 0.15}    # what the calibration 
 SCHEDULES = ("1f1b", "interleaved")
 OPTIMIZERS = ("adam", "dist", "offload")
 ATTN_IMPLS = ("tilelang", "torch", "dense")
+ADAM_KERNELS = ("fused", "foreach")
+# bytes a trained parameter moves, the rates' unit for the memory-bound steps of megatron's mixed-precision update:
+# the accumulation of a micro-batch's bf16 gradient into the fp32 main grad reads 2 + 4 and writes 4 (the fp32
+# parameters' own accumulation, the head's above all, runs in the head's part and the fitted per-micro-batch costs);
+# the optimizer step reads the gradient, the fp32 master weight and the two moments and writes the last three (28),
+# reads the gradient again for its norm (4) and writes the bf16 weight from the master copy (6, none for an fp32
+# parameter, which is its own master)
+GRAD_ACCUM_BYTES = 10
+ADAM_BYTES = {"bf16": 38, "fp32": 32}
+STACKED = "activations: stacked expert weights"
 
 
 # ================================================================================================ inputs
@@ -114,6 +126,7 @@ class Workload:
     indexer_loss: bool = False         # the indexer trains (its KL loss)
     attn_impl: str = "tilelang"        # tilelang | torch (gather reference) | dense (masked dense scores)
     optimizer: str = "adam"            # adam (this trainer) | dist (megatron's distributed optimizer) | offload
+    adam_kernel: str = "fused"         # torch's Adam kernels: fused (this trainer on CUDA since 1853ac7) | foreach
     overlap_grad_reduce: bool = False  # megatron DDP's overlap (this trainer: off)
     rl: RLWorkload | None = None
 
@@ -129,8 +142,8 @@ class Rates:
     sparse_bwd_tflops: float
     elementwise_ns: float              # per token per block at dim x hc = 16384, fwd + bwd
     layer_mb_s: float                  # fixed cost per block and micro-batch (kernel launches, small kernels)
-    grad_accum_s_per_param: float      # per trained parameter and micro-batch (main_grad += grad)
-    optimizer_s_per_param: float       # per trained parameter on the rank
+    grad_accum_gbps: float             # main_grad += grad of the bf16 parameters: GRAD_ACCUM_BYTES at this GB/s
+    optimizer_gbps: dict               # Adam kernel -> GB/s of the optimizer step's ADAM_BYTES a parameter
     act_scale: float                   # measured / inventory of the activations
     workspace_gib: float               # constant allocations beyond weights, state and activations
     decode_gbps: dict                  # batch -> effective bytes/s of the embedded engine's decode step (GB/s)
@@ -331,8 +344,10 @@ def layout_problems(shape: ModelShape, lay: Layout, wl: Workload, gpus_per_node:
     if batch % (lay.micro_batch * lay.dp * mbs):
         out.append(f"batch: {batch} sequences a step do not split into DP={lay.dp} x micro-batches of "
                    f"{lay.micro_batch}" + (f" x {mbs} minibatches" if mbs > 1 else ""))
-    if wl.attn_impl not in ATTN_IMPLS or wl.optimizer not in OPTIMIZERS or wl.recompute not in ("none", "full"):
-        out.append(f"workload: attn_impl {wl.attn_impl!r}, optimizer {wl.optimizer!r}, recompute {wl.recompute!r}")
+    if wl.attn_impl not in ATTN_IMPLS or wl.optimizer not in OPTIMIZERS or wl.recompute not in ("none", "full") \
+            or wl.adam_kernel not in ADAM_KERNELS:
+        out.append(f"workload: attn_impl {wl.attn_impl!r}, optimizer {wl.optimizer!r}, recompute {wl.recompute!r}, "
+                   f"adam_kernel {wl.adam_kernel!r}")
     return out
 
 
@@ -422,6 +437,26 @@ def _param_bytes(items, lay: Layout, wl: Workload, expert_shard: int, dense_shar
             else:
                 o += state
     return {"weights": w, "gradients": g, "optimizer": o}, host, trained
+
+
+def _trained_by_dtype(items, lay: Layout, wl: Workload) -> dict:
+    """Trained parameters held on one rank, by the dtype they are kept in ({"bf16": n, "fp32": n})."""
+    out = {"bf16": 0.0, "fp32": 0.0}
+    for (shard, fp32, group), n in items:
+        if _trained(group, wl):
+            out["fp32" if fp32 else "bf16"] += n / (lay.tp if shard == "tp" else lay.ep * lay.etp if shard == "exp"
+                                                    else 1)
+    return out
+
+
+def stacked_expert_bytes(blk: Block, lay: Layout) -> float:
+    """The bf16 copy of a block's local routed experts that the grouped GEMM stacks at each forward
+    (dsv4.megatron.layers.GroupedExperts: w1, w3 and w2 of every expert as one [E, in, out] operand, which autograd
+    keeps for the backward); only at EP = 1, where the trainer runs the grouped GEMM (EP > 1 runs one GEMM an
+    expert)."""
+    if lay.ep > 1:
+        return 0.0
+    return sum(n for (shard, _, _), n in blk.params if shard == "exp") / lay.etp * 2
 
 
 def stage_blocks(shape: ModelShape, lay: Layout, stage: int, wl: Workload) -> list[Block]:
@@ -540,10 +575,12 @@ def stage_memory(shape: ModelShape, lay: Layout, wl: Workload, rates: Rates | No
     n_micro = micro_batches(lay, wl)
     flight = in_flight(lay, stage, n_micro)
     saved: dict[str, float] = {}
-    transient_blocks, idx_ws = 0.0, 0.0
+    transient_blocks, idx_ws, stacked, stacked_one = 0.0, 0.0, 0.0, 0.0
     for b, count in _stage_kinds(shape, lay, stage, wl, ctx):
         if b.key.startswith("mtp.") and not wl.mtp:
             continue                                  # MTP neither runs nor trains without its loss
+        stacked += stacked_expert_bytes(b, lay) * count
+        stacked_one = max(stacked_one, stacked_expert_bytes(b, lay))
         acts, trans, iws = _memo(ctx, ("acts", b.kind, lay.tp, lay.cp, lay.etp, lay.micro_batch),
                                  lambda b=b: block_activations(shape, b, lay, wl))
         for p, v in acts.items():
@@ -562,6 +599,10 @@ def stage_memory(shape: ModelShape, lay: Layout, wl: Workload, rates: Rates | No
     if head_saved:
         # the head runs once a micro-batch, at the end of its forward: one micro-batch's logits at a time
         parts["activations: lm head"] = head_saved * scale / GiB
+    if stacked:
+        # a copy of weights, not an activation: its size is exact, so the inventory's fitted scale does not apply;
+        # one a micro-batch in flight, or under full recompute only the block being recomputed
+        parts[STACKED] = (stacked_one if wl.recompute == "full" else stacked * flight) / GiB
     transient = {"one block's backward": transient_blocks, "indexer fp32 scores": idx_ws,
                  "logits gradient and head halves": head_trans}
     big = max(transient, key=transient.get)
@@ -694,8 +735,8 @@ def stage_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage
         act = N / t * c.hc_mult * c.dim * 2
         across = lay.tp * lay.cp * lay.dp >= hw.gpus_per_node
         add("PP p2p", 2 * lay.vpp * act / (_bw(hw.ib_gbps if across else hw.nvlink_gbps) * 1e9))
-    _, _, trained = _param_bytes(stage_params(shape, lay, stage, wl, ctx), lay, wl, 1, 1)
-    add("gradient accumulation", hw.rates.grad_accum_s_per_param * trained)
+    bf16 = _trained_by_dtype(stage_params(shape, lay, stage, wl, ctx), lay, wl)["bf16"]
+    add("gradient accumulation", bf16 * GRAD_ACCUM_BYTES / (hw.rates.grad_accum_gbps * 1e9))
     return out
 
 
@@ -888,13 +929,18 @@ OFFLOAD_ADAM_S_PER_PARAM = 1.0e-9  # assumption: host Adam over one GPU's share 
 def _optimizer_seconds(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage: int,
                        ctx: dict | None = None) -> float:
     expert_shard = max(1, lay.dp * lay.cp * lay.tp // (lay.ep * lay.etp))
-    _, _, trained = _param_bytes(stage_params(shape, lay, stage, wl, ctx), lay, wl, expert_shard, lay.dp * lay.cp)
+    items = stage_params(shape, lay, stage, wl, ctx)
+    _, _, trained = _param_bytes(items, lay, wl, expert_shard, lay.dp * lay.cp)
     if wl.optimizer == "offload":
         return trained * (4 + 2) / (OFFLOAD_PCIE_GBPS * 1e9) + trained * OFFLOAD_ADAM_S_PER_PARAM
     share = 1.0
     if wl.optimizer == "dist":
         share = 1.0 / max(1, lay.dp * lay.cp)
-    return hw.rates.optimizer_s_per_param * trained * share
+    return _adam_bytes(_trained_by_dtype(items, lay, wl)) * share / (hw.rates.optimizer_gbps[wl.adam_kernel] * 1e9)
+
+
+def _adam_bytes(trained: dict) -> float:
+    return sum(n * ADAM_BYTES[dtype] for dtype, n in trained.items())
 
 
 # ================================================================================================ RL
@@ -1060,7 +1106,10 @@ def _msgspec_types():
         step_s: dict[str, float] = {}               # micro-batch -> measured s/step
         peak_gib: dict[str, float] = {}             # micro-batch -> measured peak (max_memory_allocated)
         profile_ms: dict[str, float] = {}           # part -> ms of the profiled step (stepprof.PARTS)
-        grad_accum_ms: float = 0.0                  # the profile's main_grad accumulation, a step
+        grad_accum_ms: float = 0.0                  # the profile's main_grad accumulation (bf16 grads), a step
+        adam_kernel: str = "foreach"                # the Adam kernel of the timed steps and the profile
+        fused_adam_ms: float = 0.0                  # the optimizer part of a profile with the fused Adam ...
+        fused_adam_overrides: list[str] = []        # ... of this shape (model overrides; the row's model)
         sparse_fwd_tflops: float = 0.0
         sparse_bwd_tflops: float = 0.0
         decode_ms: dict[str, float] = {}            # batch -> ms a decode step (graph mode)
@@ -1099,8 +1148,8 @@ def rates_for(gpu: str, path: str = str(CALIBRATION_FILE)) -> Rates | None:
                        sparse_fwd_tflops=base.sparse_fwd_tflops * row.compute_ratio,
                        sparse_bwd_tflops=base.sparse_bwd_tflops * row.compute_ratio,
                        elementwise_ns=base.elementwise_ns / row.memory_ratio,
-                       grad_accum_s_per_param=base.grad_accum_s_per_param / row.memory_ratio,
-                       optimizer_s_per_param=base.optimizer_s_per_param / row.memory_ratio,
+                       grad_accum_gbps=base.grad_accum_gbps * row.memory_ratio,
+                       optimizer_gbps={k: v * row.memory_ratio for k, v in base.optimizer_gbps.items()},
                        decode_gbps={k: v * row.memory_ratio for k, v in base.decode_gbps.items()},
                        sync_gbps={k: v * row.memory_ratio for k, v in base.sync_gbps.items()})
     return derive_rates(row)
@@ -1115,7 +1164,10 @@ def derive_rates(row) -> Rates:
     fwd+bwd (3x the model's forward FLOPs of that part); the attention's sparse kernels are taken out of its part at
     the kernels' own rates first; the indexer (frozen: no backward) over its forward. The micro-batch pair gives a
     fixed cost per micro-batch (less gradient accumulation, per block); what is left is elementwise work per token
-    and block. Memory: peak(mb) = static + act_scale x inventory(mb) + workspace, two equations, two unknowns."""
+    and block. The gradient accumulation and the optimizer step are memory-bound: their profiled times become the
+    bandwidths at which they move GRAD_ACCUM_BYTES and ADAM_BYTES a parameter; the fused Adam's from a second
+    profile when the row has one. Memory: peak(mb) = static + stacked expert copies + act_scale x inventory(mb) +
+    workspace, two equations, two unknowns."""
     from dsv4.flops import forward_flops_per_token
 
     mb1, mb2 = sorted(int(k) for k in row.step_s)[:2]
@@ -1142,8 +1194,14 @@ def derive_rates(row) -> Rates:
     M1, M2 = row.global_batch // mb1, row.global_batch // mb2
     per_mb = (step1 - row.step_s[str(mb2)]) / (M1 - M2)
     lay1 = Layout(micro_batch=mb1)
-    _, _, trained = _param_bytes(stage_params(shape, lay1, 0, wl), lay1, wl, 1, 1)
+    trained = _trained_by_dtype(stage_params(shape, lay1, 0, wl), lay1, wl)
     grad_accum = row.grad_accum_ms / 1000 / M1
+    grad_accum_gbps = trained["bf16"] * GRAD_ACCUM_BYTES / grad_accum / 1e9
+    optimizer_gbps = {row.adam_kernel: _adam_bytes(trained) / part["optimizer"] / 1e9}
+    if row.fused_adam_ms:
+        other = model_shape(row.model, tuple(row.fused_adam_overrides), row.seq_len)
+        n = _trained_by_dtype(stage_params(other, lay1, 0, wl), lay1, wl)
+        optimizer_gbps["fused"] = _adam_bytes(n) / (row.fused_adam_ms / 1000) / 1e9
     layer_mb = (per_mb - grad_accum) / n_blocks
     gemm = sum(part[k] for k in ("LM head and loss", "attention", "expert GEMMs", "compressors", "indexer",
                                  "optimizer"))
@@ -1153,7 +1211,7 @@ def derive_rates(row) -> Rates:
     inv = []
     for mb in (mb1, mb2):
         m = stage_memory(shape, Layout(micro_batch=mb), wl, None, 0)
-        static = m.parts["weights"] + m.parts["gradients"] + m.parts["optimizer"]
+        static = m.parts["weights"] + m.parts["gradients"] + m.parts["optimizer"] + m.parts.get(STACKED, 0.0)
         inv.append((static, m.total - static))
     (s1, a1), (s2, a2) = inv
     p1, p2 = row.peak_gib[str(mb1)], row.peak_gib[str(mb2)]
@@ -1162,13 +1220,13 @@ def derive_rates(row) -> Rates:
     # decode: effective bandwidth at the measured batches, from the bytes the step reads
     decode = {b: _decode_bytes(cfg, int(b), row.decode_prompt) / (ms / 1000) / 1e9 for b, ms in row.decode_ms.items()}
     rates = Rates(row.gpu, "measured", row.note, tflops, row.sparse_fwd_tflops, row.sparse_bwd_tflops, ew_ns,
-                  layer_mb, grad_accum / trained, part["optimizer"] / trained, act_scale, workspace, decode,
+                  layer_mb, grad_accum_gbps, optimizer_gbps, act_scale, workspace, decode,
                   dict(row.sync_gbps), {})
     # the fit's own check, at the calibration shape: the model must give back what it was fitted to
     hw = Hardware("calibration", row.gpu, 1000.0, 0.0, 1, 1.0, 1.0, rates=rates)
     check = {}
     for mb in (mb1, mb2):
-        p = predict(shape, Layout(micro_batch=mb), wl, hw)
+        p = predict(shape, Layout(micro_batch=mb), replace(wl, adam_kernel=row.adam_kernel), hw)
         check[str(mb)] = {"step_s": p.step_s, "measured_step_s": row.step_s[str(mb)], "peak_gib": p.peak_gib,
                           "measured_peak_gib": row.peak_gib[str(mb)]}
     return replace(rates, calibration=check)

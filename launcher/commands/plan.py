@@ -317,7 +317,7 @@ def calibration(as_json):
     from launcher.table import table
     out = [("case", "quantity", "measured", "predicted", "error", "verdict", "source")]
     for r in rows:
-        fmt = (lambda x: "-" if x is None else f"{x:,.3g}")
+        fmt = (lambda x: "-" if x is None else f"{x:,.4g}")
         out.append((r["name"], r["quantity"], fmt(r["measured"]), fmt(r["predicted"]),
                     "-" if r["error"] is None else f"{r['error']:+.1%}", r["verdict"], r["source"]))
     click.echo(table(out))
