@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 
 SAMPLES = 16 * 8        # rl_smoke's prompts x group size: one step's rollout
 RUN = ("--preset", "rl_smoke", "--set", "V4_EXECUTOR=ray", "--set", "V4_ROLLOUT_ENGINE=server",
-       "--set", "PRESET_NUM_STEPS=6", "--set", "PRESET_RL_GATE_WINDOW=3", "--set", "PRESET_RL_REWARD_RISE=0.15",
+       # five steps (the restart in the third) and two-step gate windows
+       "--set", "PRESET_NUM_STEPS=5", "--set", "PRESET_RL_GATE_WINDOW=2", "--set", "PRESET_RL_REWARD_RISE=0.15",
+       "--set", "PRESET_RL_SYNC=disk",
        "--set", "PRESET_JOB_TIMEOUT=600", "--json")
 
 
@@ -55,8 +57,10 @@ def rows(run: Path) -> list[dict]:
 def run_and_kill(work: Path, flags, *extra) -> tuple[subprocess.CompletedProcess, Path, int]:
     """Start the run, SIGKILL its rollout server as soon as step 2's row is written; -> (result, run dir, killed pid)."""
     before = set((work / "runs").glob("stageRL-*")) if (work / "runs").is_dir() else set()
+    # files, not pipes: nobody reads a pipe while the test polls, and a full one would stop the launcher
+    stdout, stderr = (open(work / f"launcher.{name}", "w+") for name in ("out", "err"))
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", *RUN, *extra, "--hw", "cpu", *flags, "--force"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=stdout, stderr=stderr, text=True)
     killed, run = 0, None
     try:
         deadline = time.monotonic() + 600
@@ -68,11 +72,14 @@ def run_and_kill(work: Path, flags, *extra) -> tuple[subprocess.CompletedProcess
                 os.kill(info["pid"], signal.SIGKILL)
                 killed = info["pid"]
             time.sleep(0.01)
-        out, err = proc.communicate(timeout=600)
+        proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert killed, "the run never wrote step 2's row"
+        out, err = (f.seek(0) or f.read() for f in (stdout, stderr))
+        stdout.close()
+        stderr.close()
+    assert killed, f"the run never wrote step 2's row: {err[-3000:]}"
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), run, killed
 
 
@@ -83,18 +90,20 @@ def test_a_killed_rollout_server_is_restarted_and_the_run_goes_on(work):
     summary = json.loads(r.stdout)
     assert all(g["passed"] for g in json.loads((run / "gates.json").read_text())), r.stderr[-2000:]
     got = rows(run)
-    assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in got] == [1, 2, 3, 4, 5]
     restarts = [json.loads(line) for line in (run / "steps/train/rollout_restarts.jsonl").read_text().splitlines()]
     assert len(restarts) == 1 and restarts[0]["step"] == 3, restarts
     rec = restarts[0]
     assert "cannot reach the engine" in rec["cause"] and rec["seconds"] > 0
-    print(f"\nengine lost during step 3's {rec['phase']}; back with the current weights in {rec['seconds']:.2f} s")
+    print(f"\nengine lost during step 3's {rec['phase']}; back with the current weights in {rec['seconds']:.2f} s; "
+          f"step 3 took {got[2]['step_time_s']:.2f} s, the others {[round(m['step_time_s'], 2) for m in got]}")
+    print("\n".join(line for line in r.stderr.splitlines() if " done in " in line or "healthy" in line))
     by_step = {m["step"]: m for m in got}
     assert by_step[3]["rollout_restarts"] == 1
     # a loss during the rollout regenerates the whole step; one during the sync loses no sample
     assert by_step[3]["rollout_regenerated_samples"] == (SAMPLES if rec["phase"] == "rollout" else 0)
     assert all(by_step[s]["rollout_restarts"] == 0 and by_step[s]["rollout_regenerated_samples"] == 0
-               for s in (1, 2, 4, 5, 6))
+               for s in (1, 2, 4, 5))
     server = json.loads((run / "steps/train/rollout_server.json").read_text())
     assert server["starts"] == 2 and server["pid"] != killed
     for m in got:
@@ -102,7 +111,7 @@ def test_a_killed_rollout_server_is_restarted_and_the_run_goes_on(work):
         assert m["weights_synced"] is True and m["weight_version"] == str(m["step"])
         assert m["logprob_diff_max"] == m["logprob_diff_max"] and m["logprob_diff_max"] <= 1e-4, m
         assert m["loss"] == m["loss"] and m["reward_mean"] == m["reward_mean"]
-    first, last = (sum(m["reward_mean"] for m in got[i:i + 3]) / 3 for i in (0, 3))
+    first, last = (sum(m["reward_mean"] for m in got[i:i + 2]) / 2 for i in (0, 3))
     assert last >= first + 0.15, [m["reward_mean"] for m in got]
     assert "restarting it" in r.stderr and summary["reward_last"] > summary["reward_first"]
 
