@@ -4,12 +4,17 @@
 
 Reads the run's resolved config (DIR/config.json): the model and layout as the SFT step does, and the
 PRESET_RL_* keys. The trainer starts from the converted checkpoint (the `convert` step), or resumes from the
-run's latest checkpoint; the rollout engine, in this process, gets the trainer's weights before the first
-rollout and after every step. Writes:
+run's latest checkpoint; the rollout engine (in this process, a `v4 rl serve` process this job starts with
+V4_ROLLOUT_ENGINE=server, or the launcher's SGLang servers) gets the trainer's weights before the first rollout and
+after every step. An engine of this job's that dies is started again with the current weights, within
+PRESET_MAX_RESTARTS (dsv4/rl/restart.py). Writes:
   DIR/metrics.jsonl                    one row per step: reward, mismatch, route agreement, sync, loss, ..., and
                                        the step's time by part (time_rollout_s, _logprob_, _train_, _sync_, _wait_)
   DIR/checkpoints/iter_NNNNNNN/        megatron distributed checkpoints
   DIR/steps/train/nonfinite.json       step, rank and first module of a non-finite loss/gradient
+  DIR/steps/train/rollout_restarts.jsonl   one line per rollout engine lost and restarted: step, phase, cause, seconds
+  DIR/steps/train/rollout_server.{json,log}  V4_ROLLOUT_ENGINE=server: the `v4 rl serve` process (pid, url, starts) and
+                                       its output
 Exit codes: 0 done, 1 failed (also: no learning signal for PRESET_RL_DEAD_STEPS steps), 2 bad configuration,
 16 non-finite loss or gradient.
 """
