@@ -65,16 +65,21 @@ def _spread(src, dst, nodes: list[dict], shard_bytes: int | None = None) -> None
     @ray.remote(num_cpus=0)       # like the probe's: the step owns the cluster while it runs
     def part(i: int, n: int) -> dict:
         from dsv4.checkpoint import DEFAULT_SHARD_BYTES, default_workers, dequantize_checkpoint
+        from dsv4.procenv import undo_ray_thread_cap
+        undo_ray_thread_cap()     # Ray starts the task with OMP_NUM_THREADS=1: this node's cores, as the entrypoint's
         s = dequantize_checkpoint(src, dst, workers=default_workers(), part=(i, n),
                                   shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES)
-        return {"ip": ray.util.get_node_ip_address(), "written": s.shards_written, "skipped": s.shards_skipped}
+        import torch
+        return {"ip": ray.util.get_node_ip_address(), "written": s.shards_written, "skipped": s.shards_skipped,
+                "threads": torch.get_num_threads()}
 
     n = len(nodes)
     log(f"dequantize: output shards spread over {n} nodes (node i converts shards i, i+{n}, ...)")
     refs = [part.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(i, n)
             for i, node in enumerate(nodes)]
     for i, r in enumerate(ray.get(refs)):
-        log(f"dequantize: part {i}/{n} on {r['ip']}: {r['written']} shard(s) written, {r['skipped']} already complete")
+        log(f"dequantize: part {i}/{n} on {r['ip']}: {r['written']} shard(s) written, {r['skipped']} already complete "
+            f"({r['threads']} CPU threads)")
 
 
 if __name__ == "__main__":

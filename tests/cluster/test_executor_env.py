@@ -58,3 +58,24 @@ def test_ray_and_local_processes_see_the_same_threads_affinity_and_cache(ray_cfg
     assert ray["facts"]["OMP_NUM_THREADS"] == "-" and ray["facts"]["torch threads"] == physical_cores()
     sub = Path(ray_cfg["V4_COMPILE_CACHE"]) / cache_key("cpu")
     assert ray["ranks"][0]["facts"]["TILELANG_CACHE_DIR"] == str(sub / "tilelang")
+
+
+@pytest.mark.slow       # a tiny checkpoint and a Ray job whose dequantize part runs as a Ray task: ~20 s
+def test_a_dequantize_part_task_computes_on_every_core(ray_cfg, tmp_path):
+    """On a cluster of several nodes the dequantize step converts shards in one Ray task a node (jobs/dequantize.py
+    `_spread`); Ray starts those with OMP_NUM_THREADS=1 too. Here the one local node stands for them."""
+    from dsv4.checkpoint import generate_checkpoint
+    from dsv4.config import ModelConfig
+    from dsv4.procenv import physical_cores
+    from launcher import jobs, plan
+    src, dst = tmp_path / "official", tmp_path / "bf16"
+    generate_checkpoint(ModelConfig.preset("tiny"), src, shard_bytes=600_000)
+    code = (f"from jobs.dequantize import _ray_nodes, _spread; _spread({str(src)!r}, {str(dst)!r}, _ray_nodes(), "
+            "600_000)")
+    job = plan.JobSpec(submission_id=f"spread-{tmp_path.name}", entrypoint=f"{sys.executable} -c {code!r}",
+                       runtime_env={"working_dir": str(ROOT), "excludes": plan.working_dir_excludes(ROOT),
+                                    "env_vars": plan.job_env(ray_cfg, str(tmp_path))},
+                       entrypoint_num_cpus=1, entrypoint_num_gpus=0, timeout_s=300, submit="")
+    out = jobs.submit_and_wait(ray_cfg, job, log_path=tmp_path / "log", progress=lambda m: None)
+    assert out.ok, out.log_tail
+    assert f"already complete ({physical_cores()} CPU threads)" in (tmp_path / "log").read_text(), out.log_tail
