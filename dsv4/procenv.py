@@ -1,16 +1,17 @@
 """What a job's processes compute with on the CPU and where they keep compiled kernels: the same under either executor.
 
-CPU threads. Ray gives every worker process OMP_NUM_THREADS = the CPUs it reserved when the variable is unset: 1 for
-a job's entrypoint (the job supervisor reserves its one CPU) and for each rank actor (one CPU a rank). torch, MKL and
-OpenMP then compute on one thread, where the same step under the local executor uses every core (torch's default:
-one thread a physical core). On the 16-core H200 host that made the weights, dequantize and convert steps 2-3x
-slower under Ray. `undo_ray_thread_cap` (every job's process, jobs/common.py; every rank, dsv4/megatron/launch.py)
-removes a value Ray put there and only that one: it is in this process's environment but not in the one its Ray
-worker process (this one, or the job supervisor that started it) was started with. An OMP_NUM_THREADS that the job's
-environment sets (the launcher's shell under the local executor, the runtime env or the raylet's under Ray) is kept.
-`rank_threads` then shares a node's physical cores among the GPU ranks on it (cores // ranks there), under both
-executors: 8 ranks each with every core's worth of OpenMP threads oversubscribe the host 8 times in what they do on
-the CPU (checkpoint copies, data). CPU ranks keep dsv4/megatron/train.py's rule (cores // (2 x world)).
+CPU threads. Ray gives every worker process OMP_NUM_THREADS = the CPUs it reserved when the variable is unset: 1 for a
+job's entrypoint (the job supervisor reserves its one CPU) and for each rank actor (one CPU a rank). torch, MKL and
+OpenMP then compute on one thread, where the same step under the local executor uses every core (torch's default: one
+thread a physical core). On the 16-core H200 host that made the weights, dequantize and convert steps 1.6-2.8x slower
+under Ray. `undo_ray_thread_cap` (every job's process, jobs/common.py; every rank, dsv4/megatron/launch.py; the
+dequantize step's task a node, jobs/dequantize.py) removes a value Ray put there and only that one: it is in this
+process's environment but not in the one its Ray worker process (this one, or the job supervisor that started it) was
+started with. An OMP_NUM_THREADS that the job's environment sets (the launcher's shell under the local executor, the
+runtime env or the raylet's under Ray) is kept. `rank_threads` then shares a node's physical cores among the GPU ranks
+on it (cores // ranks there), under both executors: 8 ranks each with every core's worth of OpenMP threads
+oversubscribe the host 8 times in what they do on the CPU (checkpoint copies, data). CPU ranks keep
+dsv4/megatron/train.py's rule (cores // (2 x world)).
 
 Compile cache. The first training step compiles the TileLang kernels and the torch.compile regions (inductor, Triton):
 100-146 s on a fresh H200 host. `activate_compile_cache` points TileLang (TILELANG_CACHE_DIR), inductor

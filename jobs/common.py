@@ -224,7 +224,7 @@ def ranks_local(cfg: dict) -> bool:
 
 def _uncap_threads() -> None:
     """A Ray job's entrypoint computes on every core, as under the local executor: Ray starts it with
-    OMP_NUM_THREADS=1 (its one reserved CPU), which made the weights, dequantize and convert steps 2-3x slower on a
+    OMP_NUM_THREADS=1 (its one reserved CPU), which made the weights, dequantize and convert steps 1.6-2.8x slower on a
     16-core host (dsv4/procenv.py)."""
     from dsv4.procenv import physical_cores, undo_ray_thread_cap
     cap = undo_ray_thread_cap()
