@@ -152,6 +152,7 @@ def cache_key(device: str) -> str:
         import torch
         if torch.cuda.is_available():
             index = int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
+            torch.cuda.set_device(index)       # the rank's own GPU (as init_distributed sets it), not GPU 0
             major, minor = torch.cuda.get_device_capability(index)
             where = f"sm{major}{minor}-{torch.cuda.get_device_name(index)}"
     key = f"{where}-torch{_version('torch')}-triton{_version('triton')}-tilelang{_version('tilelang')}"

@@ -152,3 +152,14 @@ def test_a_second_process_hits_the_inductor_graph_the_first_compiled(tmp_path):
     assert a.get("fxgraph_cache_miss") == 1 and a["inductor"] >= 1
     b = json.loads(run(INDUCTOR, **env).stdout.splitlines()[-1])
     assert b.get("fxgraph_cache_hit") == 1 and not b.get("fxgraph_cache_miss") and b["inductor"] == a["inductor"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_rank_keys_its_cache_by_its_gpu(tmp_path):
+    code = ("import os, torch; from dsv4 import procenv; sub = procenv.activate_compile_cache('cuda'); "
+            "print(sub.name, torch.cuda.current_device(), torch.cuda.get_device_capability())")
+    out = run(code, V4_COMPILE_CACHE=str(tmp_path), LOCAL_RANK="0").stdout.split()
+    import torch
+    major, minor = torch.cuda.get_device_capability(0)
+    assert out[0].startswith(f"sm{major}{minor}-") and "-torch" in out[0] and out[1] == "0"
