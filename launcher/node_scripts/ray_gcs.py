@@ -15,6 +15,7 @@ import os
 import pwd
 import socket
 import sys
+import urllib.parse
 import urllib.request
 
 gcs, dashboard, state = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -150,8 +151,15 @@ else:
 if out["gcs_ok"]:
     # the dashboard too must be ours before it sees the token: a port of ours left free when our dashboard died
     # may have been taken by another
-    who = holder(dash_port, session)
-    if not who["ours"]:
+    try:
+        socket.create_connection((urllib.parse.urlsplit(dashboard).hostname, dash_port), timeout=3).close()
+        who = holder(dash_port, session)
+    except OSError as e:        # not listening yet (a head starting its dashboard after its GCS): nothing to judge
+        who = {"ours": None}
+        out["dashboard_error"] = f"nothing answers on {dashboard}: {e}"
+    if who["ours"] is None:
+        pass
+    elif not who["ours"]:
         out["foreign"] = f"the dashboard port {dashboard} is held by {who['who']}, not by the Ray this checkout started"
         out["foreign_port"] = dash_port
         out["dashboard_error"] = "not ours: not asked"
