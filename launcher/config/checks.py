@@ -309,7 +309,7 @@ def derive_and_check(cfg: Config) -> None:
         d[key] = Derived(path, formula)
 
     # -- batch and token budget -------------------------------------------------------------------
-    if v["PRESET_MODE"] == "rl" and v["V4_ROLLOUT_ENGINE"] == "sglang" and v["PRESET_RL_SYNC"] == "inproc":
+    if v["PRESET_MODE"] == "rl" and v["V4_ROLLOUT_ENGINE"] != "embedded" and v["PRESET_RL_SYNC"] == "inproc":
         errors.append(f"{at(cfg, 'PRESET_RL_SYNC')} copies weights inside the trainer's process, but "
                       f"{at(cfg, 'V4_ROLLOUT_ENGINE')} serves from its own processes: use broadcast (or disk, on a "
                       "path both see)")
