@@ -453,7 +453,8 @@ def _status(cfg, nodes: list[Node], procs: bool) -> ClusterStatus:
         gcs = {"gcs_ok": False, "error": "head unreachable", "nodes": []}
     _judge(cfg, st, gcs)
     from launcher.recovery import quarantined
-    st.left_out = [e.model_dump() for ip, e in quarantined(cfg).items() if ip in cfg.nodes]
+    st.left_out = [e.model_dump() for ip, e in quarantined(cfg).items()
+                   if ip in cfg.nodes or ip in cfg["V4_STANDBY_IPS"]]
     return st
 
 

@@ -178,7 +178,8 @@ def wait(cfg, sid: str, timeout_s: float, log_path: Path | str | None = None, c=
                 continue
             else:
                 try:
-                    info = c.get_job_info(sid)
+                    # bounded: with the head's GCS gone, the dashboard takes a minute to answer 500
+                    info = _bounded(lambda: c.get_job_info(sid), JOB_INFO_TIMEOUT_S)
                     failing_since = None
                 except (OSError, RuntimeError) as e:     # requests' errors are OSErrors; HTTP 5xx a RuntimeError
                     now = time.monotonic()
@@ -221,6 +222,30 @@ def wait(cfg, sid: str, timeout_s: float, log_path: Path | str | None = None, c=
                    elapsed_s=round(time.monotonic() - t0, 2), message=msg, log_path=str(log_path or ""),
                    log_tail="\n".join(logs.splitlines()[-40:]), hang=hang.model_dump() if hang else None,
                    lost=lost.to_json() if lost else None)
+
+
+JOB_INFO_TIMEOUT_S = 10.0    # one question to the Jobs API while a job runs
+
+
+def _bounded(fn, timeout_s: float):
+    """`fn()`, or TimeoutError (an OSError, as the HTTP library's own) when it has not returned within `timeout_s`;
+    it then goes on in a daemon thread, which a launcher that exits does not wait for."""
+    box: dict = {}
+
+    def call() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:   # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _stop_and_wait(c, sid: str, wait_s: int = 30):

@@ -417,7 +417,9 @@ class Recovery:
                 bad.setdefault(r.node, []).append(f"{r.name}: {r.detail}")
         for ip, why in bad.items():
             self.say(f"[recovery] standby {ip} not taken: " + "; ".join(why)[:400])
-        return [ip for ip in candidates if ip not in bad][:want]
+        good = [ip for ip in candidates if ip not in bad]
+        readmit(cfg, good, self.say)
+        return good[:want]
 
     # -- preflight, --exclude-bad-nodes -------------------------------------------------------------
     def leave_out(self, cfg, results, failing):
@@ -519,8 +521,9 @@ class Recovery:
         change = (f" on {len(new.nodes)} node(s) {' '.join(new.nodes)}, world {r.world_before} -> {r.world_after}"
                   + (f" (standby {', '.join(standby)} in place of {', '.join(r.nodes)})" if standby else "")
                   if lost is not None else "")
-        lost_steps = (f"steps {from_step + 1}-{last} run again ({r.steps_lost} lost; PRESET_SAVE_INTERVAL="
-                      f"{cfg['PRESET_SAVE_INTERVAL']})" if r.steps_lost else "no step lost")
+        again = f"step {last} runs" if r.steps_lost == 1 else f"steps {from_step + 1}-{last} run"
+        lost_steps = (f"{again} again ({r.steps_lost} lost; PRESET_SAVE_INTERVAL={cfg['PRESET_SAVE_INTERVAL']})"
+                      if r.steps_lost else "no step lost")
         self.say(f"[recovery] restart {n} ({self.used} of PRESET_MAX_RESTARTS={self.budget} in this launch): "
                  f"{cause.replace('_', ' ')}: {detail[:300]}")
         self.say(f"[recovery] {step.name} resumes from "

@@ -237,7 +237,7 @@ STALE_ON_RESUME = ("gates.json", "summary.json")
 # the rest of it builds on. Every preset key but the operational ones, and what sets the world and the data.
 RESUME_SAME = tuple(k.name for k in KEYS if k.layer == "preset"
                     and k.name not in ("PRESET_JOB_TIMEOUT", "PRESET_STRICT_PREFLIGHT", "PRESET_RUN_ID_PREFIX",
-                                       "PRESET_NONFINITE_LOCATE", "PRESET_HANG_TIMEOUT")) + (
+                                       "PRESET_NONFINITE_LOCATE", "PRESET_HANG_TIMEOUT", "PRESET_MAX_RESTARTS")) + (
     "V4_NUM_NODES", "V4_NUM_GPUS_PER_NODE", "HW_DEVICE", "V4_SFT_DATA")
 
 

@@ -186,3 +186,12 @@ def test_runs_show_tells_the_restarts_at_a_glance(tmp_path, capsys):
         main(["runs", "show", run.id, "--cluster", cfg.selection.cluster, "--hw", "cpu", "--json"])
     shown = json.loads(capsys.readouterr().out)
     assert [r["cause"] for r in shown["recovery"]["restarts"]] == ["node_lost", "hung"]
+
+
+def test_a_resume_may_change_the_restart_budget(tmp_path):
+    """PRESET_MAX_RESTARTS says how a run recovers, not what it computes: a resume with another is no conflict."""
+    cfg = config(tmp_path)
+    run = registry.create_run(cfg)
+    run.write_json("config.json", {"values": cfg.job_values()})
+    assert registry.resume_conflicts(run, config(tmp_path, "PRESET_MAX_RESTARTS=5")) == []
+    assert registry.resume_conflicts(run, config(tmp_path, "PRESET_NUM_STEPS=3")) == ["PRESET_NUM_STEPS: 6 -> 3"]

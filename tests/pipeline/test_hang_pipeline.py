@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 HANG = ("--set", "V4_NUM_GPUS_PER_NODE=2", "--set", "PRESET_PLANT_HANG=1:2", "--set", "PRESET_HANG_TIMEOUT=12",
-        "--set", "PRESET_JOB_TIMEOUT=600", "--set", "PRESET_GATES=finite_loss",
+        "--set", "PRESET_JOB_TIMEOUT=600", "--set", "PRESET_GATES=finite_loss", "--set", "PRESET_MAX_RESTARTS=0",
         "--set", "PRESET_STEPS=weights prepare_data dequantize convert train")
 
 
@@ -65,6 +65,7 @@ def test_a_planted_hang_is_dumped_named_and_stopped(work, executor):
     assert r.returncode == 124, r.stderr[-4000:]
     run = max((work / "runs").glob("stageA-*"), key=lambda p: p.stat().st_mtime)
     assert "rank 1 did not arrive" in r.stderr and f"{run}/hang/" in r.stderr, r.stderr[-3000:]
+    assert "no restart left: PRESET_MAX_RESTARTS=0" in r.stderr      # restarted: test_restart_pipeline.py
     hang = json.loads((run / "hang" / "hang.json").read_text())
     assert hang["behind"] == [1] and hang["missing"] == []
     last = {x["rank"]: (x["step"], x["phase"]) for x in hang["ranks"]}
