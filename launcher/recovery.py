@@ -26,6 +26,7 @@ was when it stopped.
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import sys
 import time
@@ -208,6 +209,18 @@ class _GcsNode(BaseModel):
 _NODES = TypeAdapter(list[_GcsNode])
 
 
+QUERY_ERRORS = (OSError, ValueError, KeyError, TypeError, ValidationError)   # requests' errors are OSErrors
+
+
+def gcs_nodes(url: str, headers: dict) -> list[_GcsNode]:
+    """The GCS's node table, from the dashboard's state API at `url` (.../api/v0/nodes); QUERY_ERRORS when it does not
+    answer with one."""
+    import requests
+    r = requests.get(url, params={"detail": "1", "limit": "10000"}, headers=headers, timeout=NODE_QUERY_TIMEOUT_S)
+    r.raise_for_status()
+    return _NODES.validate_python(r.json()["data"]["result"]["result"])
+
+
 @dataclass
 class Lost:
     """Nodes of the run that are gone, as noticed: the GCS's verdict, or cluster status after a job failed."""
@@ -255,13 +268,9 @@ class NodeWatch:
         if now - self._read_at < self.poll_s:
             return None
         self._read_at = now
-        import requests
         try:
-            r = requests.get(self.url, params={"detail": "1", "limit": "10000"}, headers=self.headers,
-                             timeout=NODE_QUERY_TIMEOUT_S)
-            r.raise_for_status()
-            table = _NODES.validate_python(r.json()["data"]["result"]["result"])
-        except (requests.RequestException, ValueError, KeyError, TypeError, ValidationError) as e:
+            table = gcs_nodes(self.url, self.headers)
+        except QUERY_ERRORS as e:
             self.error = f"{type(e).__name__}: {str(e)[:200]}"
             if self.failing_since is None:
                 self.failing_since = now
@@ -273,23 +282,31 @@ class NodeWatch:
                                    "(and the workers); then resume the run") from None
             return None
         self.failing_since, self.error = None, ""
-        alive = {n.node_ip for n in table if n.state == "ALIVE"}
-        dead = {n.node_ip: n for n in table if n.state != "ALIVE"}
-        gone = [ip for ip in self.nodes if ip not in alive]
-        if not gone:
-            return None
-        why, since = {}, []
-        for ip in gone:
-            n = dead.get(ip)
-            if n is None:
-                why[ip] = "not in the Ray GCS's node table"
-                continue
-            msg = (n.state_message or "").strip().splitlines()
-            why[ip] = f"{n.state} in the Ray GCS" + (f" ({msg[0][:200]})" if msg else "")
-            if n.end_time_ms:
-                since.append(time.time() - n.end_time_ms / 1000)
-        self.lost = Lost(gone, why, "gcs", after_s=round(max(since), 1) if since else None)
+        self.lost = judge_table(self.nodes, table)
         return self.lost
+
+
+def judge_table(nodes: list[str], table: list[_GcsNode]) -> Lost | None:
+    """The nodes of `nodes` that the GCS's node table does not hold ALIVE, with what it says of them."""
+    alive = {n.node_ip for n in table if n.state == "ALIVE"}
+    dead: dict[str, _GcsNode] = {}
+    for n in table:                  # an address may have died before (then came back): its latest death is this one
+        if n.state != "ALIVE" and (n.node_ip not in dead or (n.end_time_ms or 0) > (dead[n.node_ip].end_time_ms or 0)):
+            dead[n.node_ip] = n
+    gone = [ip for ip in nodes if ip not in alive]
+    if not gone:
+        return None
+    why, since = {}, []
+    for ip in gone:
+        n = dead.get(ip)
+        if n is None:
+            why[ip] = "not in the Ray GCS's node table"
+            continue
+        msg = (n.state_message or "").strip().splitlines()
+        why[ip] = f"{n.state} in the Ray GCS" + (f" ({msg[0][:200]})" if msg else "")
+        if n.end_time_ms:
+            since.append(time.time() - n.end_time_ms / 1000)
+    return Lost(gone, why, "gcs", after_s=round(max(since), 1) if since else None)
 
 
 def node_watch(cfg) -> NodeWatch | None:
@@ -301,9 +318,17 @@ def node_watch(cfg) -> NodeWatch | None:
 
 
 def lost_after_failure(cfg) -> Lost | None:
-    """For a Ray job that failed by itself: the nodes `cluster status` finds unreachable, DEAD or missing in the GCS, or
-    with their raylet gone (a killed host's survivors fail on a reset connection before the GCS has decided)."""
+    """For a Ray job that failed by itself: the nodes the GCS no longer holds ALIVE, else (a killed host's survivors
+    fail on a reset connection before the GCS has decided) those `cluster status` finds unreachable or with their
+    raylet gone."""
     from launcher import cluster
+    try:
+        headers = {"Authorization": f"Bearer {t}"} if (t := cluster.read_auth_token(cfg)) else {}
+        lost = judge_table(cfg.nodes, gcs_nodes(cluster.dashboard_url(cfg) + "/api/v0/nodes", headers))
+        if lost is not None:
+            return lost
+    except (*QUERY_ERRORS, V4Error):
+        pass                                   # the head does not answer: cluster status says how
     st = cluster.status(cfg)
     why = {}
     for ns in st.nodes:
@@ -384,7 +409,7 @@ class Recovery:
         Raises Refused."""
         rec = run_record(self.run)
         out = [e.ip for e in rec.left_out] + [e.ip for e in leaving]
-        # an earlier left-out node the new configuration does not hold (a standby that was lost) stays out
+        # standbys not taken yet, nor left out themselves (a standby lost after it took a place stays out)
         free = [s for s in self.base["V4_STANDBY_IPS"] if s not in rec.standby_in and s not in out]
         taken: list[str] = []
         if free:
@@ -456,18 +481,46 @@ class Recovery:
 
     def _stop_ray_on(self, cfg, ips: list[str]) -> None:
         """A left-out node's Ray (from an earlier `cluster up`) must not take the run's ranks: stop what v4 started
-        there, where the node answers."""
-        from launcher import cluster
-        from launcher.nodes import close_all, nodes_from_config
+        there (its recorded processes, as `cluster down` does node by node), where the node answers. Not through
+        `cluster.down`, which also forgets the cluster's GCS state in Redis: the cluster goes on."""
+        from launcher.cluster import cluster_commands
+        from launcher.nodes import close_all, fan_out, nodes_from_config
+        stops = {c.ip: c.stop for c in cluster_commands(cfg)}
         nodes = [n for n in nodes_from_config(cfg) if n.name in ips]
         try:
-            for rep in cluster.down(cfg, nodes=nodes, progress=lambda m: None):
-                if rep.get("ok") and rep.get("stopped"):
-                    self.say(f"[preflight] {rep['node']}: stopped the Ray v4 had started there")
-        except Exception as e:   # noqa: BLE001 - unreachable: nothing of ours answers there either
-            self.say(f"[preflight] note: could not stop Ray on {', '.join(ips)}: {type(e).__name__}: {e}")
+            for n, r in zip(nodes, fan_out(nodes, lambda n: n.run(stops[n.name], timeout=120))):
+                try:
+                    rep = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else {}
+                except (ValueError, IndexError):
+                    rep = {}
+                if rep.get("stopped"):
+                    self.say(f"[preflight] {n.name}: stopped the {len(rep['stopped'])} Ray process(es) v4 had "
+                             "started there")
+                elif not r.ok:
+                    self.say(f"[preflight] note: {n.name}: could not stop a Ray v4 may have started there: "
+                             f"{r.tail(3)}")
         finally:
             close_all(nodes)
+        self._wait_gone_from_gcs(cfg, ips)
+
+    def _wait_gone_from_gcs(self, cfg, ips: list[str]) -> None:
+        """Until the GCS no longer counts `ips` as ALIVE (a raylet stopped unregisters; one that did not is declared
+        dead within V4_NODE_DEAD_TIMEOUT): `cluster up` for the smaller cluster refuses a live node it does not hold."""
+        from launcher.cluster import dashboard_url, read_auth_token
+        try:
+            token = read_auth_token(cfg)
+        except V4Error:
+            return                                  # no head to ask: no Ray, nothing registered
+        url, headers = dashboard_url(cfg) + "/api/v0/nodes", {"Authorization": f"Bearer {token}"} if token else {}
+        deadline = time.monotonic() + float(cfg["V4_NODE_DEAD_TIMEOUT"]) + 10
+        while time.monotonic() < deadline:
+            try:
+                live = {n.node_ip for n in gcs_nodes(url, headers) if n.state == "ALIVE"} & set(ips)
+            except QUERY_ERRORS:
+                return                              # no Ray answers: nothing registered either
+            if not live:
+                return
+            time.sleep(0.5)
 
     # -- a step that did not succeed ----------------------------------------------------------------
     def restart(self, cfg, step, outcome) -> Again | None:

@@ -195,3 +195,20 @@ def test_a_resume_may_change_the_restart_budget(tmp_path):
     run.write_json("config.json", {"values": cfg.job_values()})
     assert registry.resume_conflicts(run, config(tmp_path, "PRESET_MAX_RESTARTS=5")) == []
     assert registry.resume_conflicts(run, config(tmp_path, "PRESET_NUM_STEPS=3")) == ["PRESET_NUM_STEPS: 6 -> 3"]
+
+
+def test_the_gcs_node_table_judged(monkeypatch):
+    """What the node watch makes of the GCS's table: a node ALIVE again under a new id is not lost; one whose every
+    entry is DEAD is, with the GCS's words and the time since its latest death; one absent is too."""
+    import time as t
+    now_ms = int(t.time() * 1000)
+    node = lambda ip, state, ended=0, msg=None: recovery._GcsNode(node_id=f"{ip}-{ended}", node_ip=ip, state=state,
+                                                                   end_time_ms=ended, state_message=msg)
+    table = [node(NODES[0], "ALIVE"), node(NODES[1], "DEAD", now_ms - 60_000), node(NODES[1], "ALIVE"),
+             node(NODES[2], "DEAD", now_ms - 2_000, "health check failed\nx"), node(NODES[2], "DEAD", now_ms - 90_000)]
+    assert recovery.judge_table(list(NODES[:2]), table) is None
+    lost = recovery.judge_table(list(NODES) + ["10.9.0.9"], table)
+    assert lost.nodes == [NODES[2], "10.9.0.9"] and lost.how == "gcs"
+    assert lost.why == {NODES[2]: "DEAD in the Ray GCS (health check failed)",
+                        "10.9.0.9": "not in the Ray GCS's node table"}
+    assert 1.5 <= lost.after_s < 10                                     # its latest death, not the one before
