@@ -85,8 +85,8 @@ def _recovery_lines(run, rec) -> list[str]:
     if rec.restarts:
         budget = ((run.read_json("config.json") or {}).get("values") or {}).get("PRESET_MAX_RESTARTS")
         lost = sum(r.steps_lost for r in rec.restarts)
-        out.append(f"  restarts: {len(rec.restarts)}" + (f" (PRESET_MAX_RESTARTS={budget} a launch)" if budget is not None
-                                                        else "") + f", {lost} step(s) trained twice")
+        of = f" (PRESET_MAX_RESTARTS={budget} a launch)" if budget is not None else ""
+        out.append(f"  restarts: {len(rec.restarts)}{of}, {lost} step(s) trained twice")
         for r in rec.restarts:
             if r.cause == "node_lost":
                 what = f"node lost: {', '.join(r.nodes)}"

@@ -50,7 +50,7 @@ KEYS: list[Key] = [
     _k("V4_NUM_GPUS_PER_NODE", "int", 1, "cluster", "training processes per node: GPUs, or gloo processes on hw=cpu"),
     _k("V4_EXECUTOR", "enum", "ray", "cluster",
        "how steps run: Ray jobs on the cluster, or subprocesses on this one machine (no Ray needed)", ("ray", "local")),
-    # docs/resilience.md: nodes left out before a run (--exclude-bad-nodes) or lost during one, standbys taking their place
+    # docs/resilience.md: nodes left out before a run (--exclude-bad-nodes) or lost in one, standbys in their place
     _k("V4_STANDBY_IPS", "list", "", "cluster",
        "standby nodes, space-separated: no Ray until a node is left out at preflight (--exclude-bad-nodes) or lost "
        "mid-run; then one that passes preflight takes its place (same SSH, paths and GPUs as the others)"),
