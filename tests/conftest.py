@@ -4,9 +4,16 @@ process holds memory on) finds the device free."""
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 
 import pytest
+
+# A shell starts a background command with SIGINT ignored, and an ignored signal stays ignored across exec: every
+# launcher a test interrupts with SIGINT (as Ctrl-C) would then never see it. The tests' processes start from Python's
+# own handler whatever started pytest.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
