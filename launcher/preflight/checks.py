@@ -371,7 +371,7 @@ def gpu_perf(node, ctx):
                      + f" {unit}"
                      + (f" (expected {want:.0f}: {source})" if want else f" ({hw} unset: not judged)"))
         slow += [f"GPU {g['index']} {what} {g[key]:.0f} {unit} = {g[key] / want:.0%} of {want:.0f}"
-                 for g in gpus if want and g[key] < frac * want]
+                 for g in gpus if want and not g[key] >= frac * want]   # a NaN measurement is slow too
     detail = f"{len(gpus)} GPU(s): " + ", ".join(parts)
     if slow:
         return FAIL, detail + f"; under {frac:g} (HW_GPU_PROBE_MIN_FRACTION): " + "; ".join(slow), \
