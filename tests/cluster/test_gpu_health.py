@@ -148,17 +148,17 @@ def test_gpu_checks_skip_on_cpu_and_when_not_measured():
 
 
 def test_a_gpu_at_half_speed_fails_against_the_hw_layer():
-    cfg = cfg_for(V4_NUM_GPUS_PER_NODE=2)          # HW_GEMM_TFLOPS=790 (h200.env), HW_HBM_GBPS unset
+    cfg = cfg_for(V4_NUM_GPUS_PER_NODE=2, HW_GEMM_TFLOPS=790, HW_HBM_GBPS=0)
     ok = judge("gpu_perf", cfg, {A: facts(health(gemm=(781, 795)))})[A]
     assert ok.status == "PASS" and "GEMM 781-795 TFLOP/s (expected 790: HW_GEMM_TFLOPS)" in ok.detail
     assert "copy 4200 GB/s (expected 4200: median of the cluster's 2 GPUs (HW_HBM_GBPS unset))" in ok.detail
-    alone = judge("gpu_perf", cfg_for(), {A: facts(health(gemm=(790,), hbm=(4200,)))})[A]
+    alone = judge("gpu_perf", cfg_for(HW_GEMM_TFLOPS=790, HW_HBM_GBPS=0), {A: facts(health(gemm=(790,), hbm=(4200,)))})[A]
     assert alone.status == "PASS" and "copy 4200 GB/s (HW_HBM_GBPS unset: not judged)" in alone.detail
     slow = judge("gpu_perf", cfg, {A: facts(health(gemm=(790, 395)))})[A]
     assert slow.status == "FAIL" and "GPU 1 GEMM 395 TFLOP/s = 50% of 790" in slow.detail
     assert "HW_GPU_PROBE_MIN_FRACTION" in slow.detail and "PERFORMANCE" in slow.fix
     # 0.7 passes at a fraction of 0.6: the threshold is the hw layer's key
-    assert judge("gpu_perf", cfg_for(V4_NUM_GPUS_PER_NODE=2, HW_GPU_PROBE_MIN_FRACTION=0.6),
+    assert judge("gpu_perf", cfg_for(V4_NUM_GPUS_PER_NODE=2, HW_GEMM_TFLOPS=790, HW_GPU_PROBE_MIN_FRACTION=0.6),
                  {A: facts(health(gemm=(790, 553)))})[A].status == "PASS"
     broken = judge("gpu_perf", cfg, {A: facts(health(errors=(1,)))})[A]
     assert broken.status == "FAIL" and "GPU 1: the probe failed" in broken.detail
@@ -167,7 +167,7 @@ def test_a_gpu_at_half_speed_fails_against_the_hw_layer():
 
 
 def test_without_an_expectation_the_cluster_median_judges():
-    cfg = cfg_for(V4_NUM_GPUS_PER_NODE=2, HW_GEMM_TFLOPS=0)
+    cfg = cfg_for(V4_NUM_GPUS_PER_NODE=2, HW_GEMM_TFLOPS=0, HW_HBM_GBPS=0)
     r = judge("gpu_perf", cfg, {A: facts(health(hbm=(4200, 4150))), B: facts(health(hbm=(4180, 2000)))})
     assert r[A].status == "PASS" and "median of the cluster's 4 GPUs" in r[A].detail
     assert r[B].status == "FAIL" and "GPU 1 copy 2000 GB/s" in r[B].detail
