@@ -90,7 +90,9 @@ class ModelConfig:
     # rotations, "moe" = the routed experts' gated activation (moe_impl grouped), "norm" = the RMSNorms
     compiled: str = "hc+attn+moe+norm"
     # the routed experts in training (EP = 1) on CUDA: "grouped" = one grouped GEMM (torch._grouped_mm) per weight
-    # over all experts; "loop" = one GEMM per expert, as the reference (and a CPU) runs them
+    # over all experts, the weight gradients added straight into megatron's fp32 main_grad by one accumulating GEMM
+    # per expert; "grouped_autograd" = the same forward, bf16 weight gradients that megatron's hook then adds (the
+    # A/B baseline); "loop" = one GEMM per expert, as the reference (and a CPU) runs them
     moe_impl: str = "grouped"
     indexer_loss_coeff: float = 0.0      # weight of the KL indexer loss that trainers add (the model only reports it)
     seed: int = 0                        # deterministic initialisation
@@ -150,8 +152,8 @@ class ModelConfig:
             errs.append(f"attn_impl={self.attn_impl!r}: one of torch, tilelang")
         if self.fp32_gemm not in ("fp32", "bf16x3", "bf16x3_fwd"):
             errs.append(f"fp32_gemm={self.fp32_gemm!r}: one of fp32, bf16x3, bf16x3_fwd")
-        if self.moe_impl not in ("loop", "grouped"):
-            errs.append(f"moe_impl={self.moe_impl!r}: one of loop, grouped")
+        if self.moe_impl not in ("loop", "grouped", "grouped_autograd"):
+            errs.append(f"moe_impl={self.moe_impl!r}: one of loop, grouped, grouped_autograd")
         if not set(self.compiled_regions) <= set(COMPILED_REGIONS):
             errs.append(f"compiled={self.compiled!r}: regions joined by '+', from {', '.join(COMPILED_REGIONS)} "
                         "(or none)")

@@ -23,11 +23,17 @@ layer's gradient is: the logits themselves, which RL's log-probabilities read, s
 CUDA only: `mm`'s `out_dtype` has no CPU kernel, and on a CPU the fp32 GEMM is what runs anyway
 (`linear` falls back to F.linear there, so CPU results stay exact).
 
+Inside `reuse_halves()` (the trainer opens it around one step's forward and backward, when no weight changes)
+each weight is split once, not at every micro-batch: for the head that is 2 GB read and 1 GB written per
+micro-batch saved, ~23 ms of an 8-micro-batch step at 4096 tokens on the H200.
+
 `SplitWeight` keeps a weight's halves for a caller that multiplies by the same weight many times between
 updates (the rollout engine's decode step): splitting a 2 GB head at every step would cost more than the
 GEMM saves. Its buffers are refreshed in place, so a CUDA graph that captured them sees new weights.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -43,6 +49,31 @@ def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 -> (hi, lo) bf16 with hi + lo ~= t to 16 mantissa bits."""
     hi = t.to(torch.bfloat16)
     return hi, (t - hi.float()).to(torch.bfloat16)
+
+
+_halves: dict | None = None          # weight -> its halves, while reuse_halves() is open
+
+
+@contextmanager
+def reuse_halves():
+    """Split each fp32 weight once while open: the caller promises no weight changes meanwhile."""
+    global _halves
+    outer = _halves
+    _halves = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _halves = outer
+
+
+def weight_halves(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """split(w), once per weight while reuse_halves() is open."""
+    if _halves is None:
+        return split(w)
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    if key not in _halves:
+        _halves[key] = split(w.detach())
+    return _halves[key]
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,7 +109,7 @@ class _SplitLinear(torch.autograd.Function):
     def forward(ctx, x2d: torch.Tensor, w: torch.Tensor, split_backward: bool) -> torch.Tensor:
         ctx.save_for_backward(x2d, w)
         ctx.split_backward = split_backward
-        wh, wl = split(w)
+        wh, wl = weight_halves(w)
         if x2d.dtype == torch.bfloat16:
             return _xw(x2d, wh, wl)
         return mm3(*split(x2d), wh.t(), wl.t())
@@ -92,9 +123,9 @@ class _SplitLinear(torch.autograd.Function):
         gx = torch.empty(x2d.shape, dtype=torch.float32, device=x2d.device) if need_x else None
         gw = None
         if ctx.split_backward:
-            wh, wl = split(w) if need_x else (None, None)
-        else:                            # one bf16 GEMM per gradient, fp32 out
-            wh = w.to(torch.bfloat16) if need_x else None
+            wh, wl = weight_halves(w) if need_x else (None, None)
+        elif need_x:                     # one bf16 GEMM per gradient, fp32 out (the hi half is bf16(w))
+            wh = weight_halves(w)[0] if _halves is not None else w.to(torch.bfloat16)
         for i in range(0, g.shape[0], _CHUNK_ROWS):
             rows = slice(i, i + _CHUNK_ROWS)
             if not ctx.split_backward:

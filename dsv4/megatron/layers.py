@@ -319,21 +319,83 @@ class ParallelAttention(nn.Module):
 
 
 # ================================================================================================ MoE
+class _HostOffsets:
+    """The groups' ends copied to pinned host memory in the forward, without waiting: the backward's per-expert
+    GEMMs need them as host integers, and by the time the backward runs the copy is long done, so reading them
+    then waits for that copy alone instead of draining the launch queue (what `offs.tolist()` would do)."""
+
+    def __init__(self, offs: torch.Tensor):
+        self.host = torch.empty(offs.shape, dtype=offs.dtype, pin_memory=True)
+        self.host.copy_(offs, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+        self._bounds: list[int] | None = None
+
+    def bounds(self) -> list[int]:
+        if self._bounds is None:
+            self.ready.synchronize()
+            self._bounds = [0] + self.host.tolist()
+        return self._bounds
+
+
+class _ExpertGemm(torch.autograd.Function):
+    """a @ W_e^T for each expert's rows (one grouped GEMM), whose backward adds each expert's weight gradient
+    straight into its fp32 `main_grad` (megatron's gradient buffer) with one GEMM per expert accumulating in its
+    epilogue (cuBLAS beta = 1), and returns no weight gradient. What it replaces: a grouped GEMM writing bf16
+    gradients, then megatron's hook adding each into main_grad, the unvectorised mixed-dtype add that took
+    3.3 ms a layer and micro-batch at 32 experts on the H200 (`megatron-core`'s gradient_accumulation_fusion,
+    which needs TransformerEngine or apex, does the same for its own linears)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, offs: torch.Tensor, host: _HostOffsets, *weights: torch.Tensor):
+        stacked = torch.stack(weights)                                          # [E, out, in]
+        ctx.save_for_backward(a, offs, stacked)
+        ctx.host, ctx.weights = host, weights
+        return torch._grouped_mm(a, stacked.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        a, offs, stacked = ctx.saved_tensors
+        da = torch._grouped_mm(dy, stacked, offs=offs) if ctx.needs_input_grad[0] else None
+        b = ctx.host.bounds()
+        for e, w in enumerate(ctx.weights):
+            if b[e + 1] > b[e]:
+                torch.addmm(w.main_grad, dy[b[e]:b[e + 1]].t(), a[b[e]:b[e + 1]], out_dtype=torch.float32,
+                            out=w.main_grad)
+        return (da, None, None) + (None,) * len(ctx.weights)
+
+
+def _accumulates_in_main_grad(weights: list[torch.Tensor], a: torch.Tensor) -> bool:
+    """_ExpertGemm applies: plain bf16 weights (no QAT point between parameter and GEMM) that megatron's DDP gave
+    an fp32 main_grad, and a gradient wanted (not under no_grad, as in evaluation)."""
+    w = weights[0]
+    return (torch.is_grad_enabled() and w.requires_grad and w.dtype == a.dtype
+            and getattr(w, "main_grad", None) is not None and w.main_grad.dtype == torch.float32)
+
+
 class GroupedExperts(nn.Module):
     """Experts' FFNs on rows grouped by expert (offs: each group's end), each of w1, w3, w2 one grouped GEMM over
     all experts (torch._grouped_mm) where the reference runs three GEMMs per expert. The experts' weights are
     stacked at each call, through their QAT points: a copy of the layer's routed weights (the GEMMs read them once
-    more anyway). No parameters of its own: the experts stay the reference modules, by their official names."""
+    more anyway). Under megatron's DDP the weight gradients go straight into main_grad (_ExpertGemm). No
+    parameters of its own: the experts stay the reference modules, by their official names."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
 
     def forward(self, rows: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, experts: list) -> torch.Tensor:
+        host = None
+
         def gemm(a, name):                       # a @ W^T for each expert's rows, as its Linear would
+            nonlocal host
             lin = [getattr(e, name) for e in experts]
             if lin[0].qat_input == "fp8":
                 a = quant.fp8_act_qdq(a, 128)
+            if (self.cfg.moe_impl == "grouped" and lin[0].qat_weight is None
+                    and _accumulates_in_main_grad([m.weight for m in lin], a)):
+                host = host or _HostOffsets(offs)
+                return _ExpertGemm.apply(a, offs, host, *[m.weight for m in lin])
             stacked = torch.stack([m.qat_weight_value().to(a.dtype) for m in lin]).transpose(1, 2)   # [E, in, out]
             return torch._grouped_mm(a, stacked, offs=offs)
         a, b = gemm(rows, "w1"), gemm(rows, "w3")
@@ -418,7 +480,7 @@ class ParallelMoE(nn.Module):
     def _routed_local(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """EP = 1: the reference loop itself (same ops in the same order, so gradients match bit for bit), or on CUDA
         with moe_impl "grouped" the same sums through grouped GEMMs."""
-        if self.cfg.moe_impl == "grouped" and x.is_cuda and x.dtype == torch.bfloat16:   # its CUDA kernels: bf16
+        if self.cfg.moe_impl.startswith("grouped") and x.is_cuda and x.dtype == torch.bfloat16:   # CUDA kernels: bf16
             return self._routed_grouped(x, weights, idx)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(idx).tolist():

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from dsv4.config import ModelConfig
 from dsv4.fileio import atomic_write
 from dsv4.heartbeat import Heartbeat
+from dsv4.kernels import split_gemm
 from dsv4.megatron import cpu_shim
 from dsv4.megatron.model import DSV4Stage, Objective, model_provider
 from dsv4.megatron.nanwatch import NonFiniteMonitor, PlantSpec, run_facts
@@ -420,10 +421,11 @@ class Trainer:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.ddp.train()
-        store = get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
-            num_microbatches=self.n_micro, seq_length=self.tc.seq_len,
-            micro_batch_size=self.tc.micro_batch_size, forward_only=False)
+        with split_gemm.reuse_halves():      # no weight changes inside the schedule: split the fp32 ones once
+            store = get_forward_backward_func()(
+                forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
+                num_microbatches=self.n_micro, seq_length=self.tc.seq_len,
+                micro_batch_size=self.tc.micro_batch_size, forward_only=False)
         return self._reduce_losses(store)
 
     def _reduce_losses(self, store) -> tuple[float, float, int]:

@@ -1,0 +1,73 @@
+"""The routed experts' GEMM that accumulates weight gradients straight into megatron's fp32 main_grad
+(dsv4/megatron/layers.py _ExpertGemm), against the plain path: stacked weights, torch._grouped_mm under autograd,
+bf16 weight gradients added into main_grad afterwards (what megatron's hook did). Two micro-batches accumulate;
+one expert gets no rows. The fused path keeps the products in fp32 until they are added, so it differs from the
+plain one by the plain path's bf16 rounding of each gradient: compared against an fp64 reference."""
+import pytest
+import torch
+
+from dsv4.megatron import layers
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _weights(E, out, inp, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ws = [(torch.randn(out, inp, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_() for _ in range(E)]
+    for w in ws:
+        w.main_grad = torch.zeros(out, inp, device="cuda")
+    return ws
+
+
+def test_expert_gemm_accumulates_into_main_grad():
+    E, out, inp = 8, 256, 512
+    counts = torch.tensor([96, 0, 40, 200, 8, 64, 128, 16])          # expert 1 gets no rows
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    rows = int(counts.sum())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    mbs = [(torch.randn(rows, inp, device="cuda", generator=g).bfloat16(),
+            torch.randn(rows, out, device="cuda", generator=g).bfloat16()) for _ in range(2)]
+    fused, plain = _weights(E, out, inp), _weights(E, out, inp)
+    ref = [torch.zeros(out, inp, dtype=torch.float64, device="cuda") for _ in range(E)]
+    for a, dy in mbs:
+        a1 = a.clone().requires_grad_()
+        assert layers._accumulates_in_main_grad(fused, a1)
+        y1 = layers._ExpertGemm.apply(a1, offs, layers._HostOffsets(offs), *fused)
+        y1.backward(dy)
+        a2 = a.clone().requires_grad_()
+        y2 = torch._grouped_mm(a2, torch.stack(plain).transpose(1, 2), offs=offs)
+        y2.backward(dy)
+        for w in plain:
+            w.main_grad.add_(w.grad)
+            w.grad = None
+        assert torch.equal(y1, y2)
+        assert torch.isfinite(a1.grad).all()
+        torch.testing.assert_close(a1.grad, a2.grad)
+        b = [0] + offs.tolist()
+        for e in range(E):
+            ref[e] += dy[b[e]:b[e + 1]].double().t() @ a[b[e]:b[e + 1]].double()
+    assert all(w.grad is None for w in fused)                          # nothing left for megatron's hook
+    for e in range(E):
+        f, p = fused[e].main_grad, plain[e].main_grad
+        assert torch.isfinite(f).all()
+        scale = ref[e].abs().max().clamp_min(1e-30)
+        err_f = ((f.double() - ref[e]).abs().max() / scale).item()
+        err_p = ((p.double() - ref[e]).abs().max() / scale).item()
+        if e == 1:
+            assert f.abs().max() == 0 and p.abs().max() == 0
+            continue
+        assert err_f < 1e-5, (e, err_f)                                # fp32 accumulation of exact bf16 products
+        assert err_f <= err_p + 1e-6, (e, err_f, err_p)                # no worse than the bf16-gradient path
+
+
+def test_plain_path_without_main_grad():
+    """No main_grad (no DDP) or no gradient wanted: the plain grouped GEMM, weight gradients as usual."""
+    ws = [torch.randn(16, 32, device="cuda").bfloat16().requires_grad_() for _ in range(2)]
+    a = torch.randn(8, 32, device="cuda").bfloat16()
+    assert not layers._accumulates_in_main_grad(ws, a)
+    for w in ws:
+        w.main_grad = torch.zeros(16, 32, device="cuda")
+    with torch.no_grad():
+        assert not layers._accumulates_in_main_grad(ws, a)
+    assert layers._accumulates_in_main_grad(ws, a)
