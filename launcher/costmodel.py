@@ -1,7 +1,8 @@
 """Predicted memory and step time of a DeepSeek-V4 training layout, before any GPU is spent on it.
 
 One function, `predict(shape, layout, workload, hardware)`, says what the fullest GPU of a layout holds (by part)
-and how long a step takes (by part), from the model config and rates measured on the GPU we have:
+and how long a step takes (by part), from the model config and rates measured on the GPU we have (and
+`predict_bench`, the same for the one process `v4 bench step` builds, which it asks before building):
 
 * **Memory per rank.** Weights, gradients (fp32, megatron's main grads), Adam state (fp32 master copy and two
   moments; sharded over the data-parallel ranks with the distributed optimizer, or on the host with offload), each
@@ -14,9 +15,12 @@ and how long a step takes (by part), from the model config and rates measured on
   sequence-parallel shards over TP), times the micro-batches the pipeline schedule keeps in flight (1F1B: stage s
   holds PP - s; interleaved more), the grouped GEMM's stacked copy of the local experts a micro-batch in flight
   (EP = 1), plus the largest transient (the indexer's fp32 [S/CP, S/4] scores, which only
-  CP divides; the logits' gradient; one block's backward). One factor on the inventory and one constant workspace
+  CP divides; the logits' gradient; one block's backward). After the backward, with the activations freed, the
+  trainer's finite check of the gradient buffers is a phase of its own (torch.isfinite: 7 bytes an element of the
+  largest); the peak is the fuller phase. One factor on the inventory and one constant workspace
   are fitted to the measured peaks of the H200 smoke at micro-batch 1 and 2 (`benchmarks/records/
-  plan_calibration.jsonl`): the inventory is first principles, its scale is measured.
+  plan_calibration.jsonl`): the inventory is first principles, its scale is measured; so is what the process
+  holds outside torch's allocator, which with 3 % fragmentation is what a GPU does not leave usable.
 * **Time per step.** Compute per rank at rates derived from the H200 smoke's timed step and its profile by part
   (GEMM parts as TFLOP/s, the sparse attention from the TileLang kernels' own records, elementwise work per token
   and layer, a fixed cost per layer and micro-batch from the micro-batch 1 / 2 pair, gradient accumulation and
@@ -62,6 +66,14 @@ ADAM_KERNELS = ("fused", "foreach")
 GRAD_ACCUM_BYTES = 10
 ADAM_BYTES = {"bf16": 38, "fp32": 32}
 STACKED = "activations: stacked expert weights"
+# bytes an element of a gradient buffer that the trainer's finite check allocates at once, after the backward
+# (dsv4.megatron.train.Trainer._grads_finite: `(~torch.isfinite(g)).any()` on each of DDP's flat fp32 buffers in
+# turn). torch's isfinite on a float tensor is `(g == g) * (g.abs() != inf)`, whose temporaries all live until the
+# product: an fp32 copy (4) and three bools (3). On the routed experts' buffer it is a step's peak where the
+# activations are small: the TP8 rank shape's 5.6 G expert gradients make it 36.8 GiB, its OOM's 21 GiB allocation
+# is the copy
+GRAD_CHECK_BYTES = 7
+GRAD_CHECK = "transient: gradient finite check"
 
 
 # ================================================================================================ inputs
@@ -129,6 +141,10 @@ class Workload:
     adam_kernel: str = "fused"         # torch's Adam kernels: fused (this trainer on CUDA since 1853ac7) | foreach
     overlap_grad_reduce: bool = False  # megatron DDP's overlap (this trainer: off)
     rl: RLWorkload | None = None
+    # bytes an element of the largest gradient buffer that the finite check after the backward allocates at once:
+    # this trainer's torch.isfinite, GRAD_CHECK_BYTES; megatron's own check, a norm a bucket (other stacks' runs,
+    # miles'), 0
+    grad_check_bytes: int = GRAD_CHECK_BYTES
 
 
 @dataclass(frozen=True)
@@ -149,6 +165,7 @@ class Rates:
     decode_gbps: dict                  # batch -> effective bytes/s of the embedded engine's decode step (GB/s)
     sync_gbps: dict                    # method -> GB/s of a weight update, where measured
     calibration: dict                  # the fit's own check: predicted vs measured at the calibration shape
+    reserve_gib: float = 0.0           # measured device memory a training process holds outside torch's allocator
 
 
 @dataclass(frozen=True)
@@ -161,7 +178,8 @@ class Hardware:
     nvlink_gbps: float                 # per-GPU bus bandwidth of collectives inside a node
     ib_gbps: float                     # per-GPU bandwidth across nodes
     rates: Rates | None = None
-    reserve_gib: float = 2.0           # CUDA context, NCCL communicators: never available to the allocator
+    reserve_gib: float = 2.0           # held outside torch's allocator (CUDA context, kernel modules, NCCL): the
+                                       # calibration row's measurement where it has one (reserve_of), else this
     fragmentation: float = 0.03        # reserved over allocated with expandable segments
     assumptions: tuple[str, ...] = ()
 
@@ -387,7 +405,8 @@ def split_layers(n_layers: int, pp: int, n_hash: int, head_layers: float = 1.5, 
 @dataclass
 class Memory:
     stage: int
-    parts: dict                        # GiB by part on this stage's rank
+    parts: dict                        # GiB by part on this stage's rank at its peak: the forward-backward phase, or
+                                       # the gradient check after it (activations freed), whichever is fuller
     host_gib: float = 0.0              # optimizer state on the host (offload)
     in_flight: int = 1
     detail: dict = field(default_factory=dict)
@@ -420,11 +439,16 @@ def _trained(group: str, wl: Workload) -> bool:
     return group == "main" or (group == "mtp" and wl.mtp) or (group == "indexer" and wl.indexer_loss)
 
 
+def _on_rank(shard: str, n: float, lay: Layout) -> float:
+    """Elements of a parameter group one rank holds: split over TP, experts over EP x ETP, the rest whole."""
+    return n / (lay.tp if shard == "tp" else lay.ep * lay.etp if shard == "exp" else 1)
+
+
 def _param_bytes(items, lay: Layout, wl: Workload, expert_shard: int, dense_shard: int) -> tuple[dict, float, float]:
     """(bytes by part, host bytes, trained params on the rank) of parameter groups held on one rank."""
     w = g = o = host = trained = 0.0
     for (shard, fp32, group), n in items:
-        n_rank = n / (lay.tp if shard == "tp" else lay.ep * lay.etp if shard == "exp" else 1)
+        n_rank = _on_rank(shard, n, lay)
         w += n_rank * (4 if fp32 else 2)
         if _trained(group, wl):
             trained += n_rank
@@ -444,8 +468,19 @@ def _trained_by_dtype(items, lay: Layout, wl: Workload) -> dict:
     out = {"bf16": 0.0, "fp32": 0.0}
     for (shard, fp32, group), n in items:
         if _trained(group, wl):
-            out["fp32" if fp32 else "bf16"] += n / (lay.tp if shard == "tp" else lay.ep * lay.etp if shard == "exp"
-                                                    else 1)
+            out["fp32" if fp32 else "bf16"] += _on_rank(shard, n, lay)
+    return out
+
+
+def grad_buffers(items, lay: Layout, wl: Workload) -> dict:
+    """Elements of each of megatron DDP's flat fp32 gradient buffers on one rank ({("expert" | "dense", "bf16" |
+    "fp32"): elements}): DDP keeps one contiguous `grad_data` per parameter dtype of the trained parameters, the
+    experts' (allreduce=False) apart from the rest, and every main_grad is a view into it."""
+    out: dict = {}
+    for (shard, fp32, group), n in items:
+        if _trained(group, wl):
+            key = ("expert" if shard == "exp" else "dense", "fp32" if fp32 else "bf16")
+            out[key] = out.get(key, 0.0) + _on_rank(shard, n, lay)
     return out
 
 
@@ -594,24 +629,36 @@ def stage_memory(shape: ModelShape, lay: Layout, wl: Workload, rates: Rates | No
     parts = {k: v / GiB for k, v in static.items()}
     if wl.optimizer == "offload":
         parts.pop("optimizer")
+    # the forward-backward phase: what the schedule keeps for the backward, at its fullest
+    backward: dict[str, float] = {}
     for p, v in saved.items():
-        parts[f"activations: {p}"] = v * flight * scale / GiB
+        backward[f"activations: {p}"] = v * flight * scale / GiB
     if head_saved:
         # the head runs once a micro-batch, at the end of its forward: one micro-batch's logits at a time
-        parts["activations: lm head"] = head_saved * scale / GiB
+        backward["activations: lm head"] = head_saved * scale / GiB
     if stacked:
         # a copy of weights, not an activation: its size is exact, so the inventory's fitted scale does not apply;
         # one a micro-batch in flight, or under full recompute only the block being recomputed
-        parts[STACKED] = (stacked_one if wl.recompute == "full" else stacked * flight) / GiB
+        backward[STACKED] = (stacked_one if wl.recompute == "full" else stacked * flight) / GiB
     transient = {"one block's backward": transient_blocks, "indexer fp32 scores": idx_ws,
                  "logits gradient and head halves": head_trans}
     big = max(transient, key=transient.get)
     if transient[big]:
-        parts[f"transient: {big}"] = transient[big] * scale / GiB
+        backward[f"transient: {big}"] = transient[big] * scale / GiB
+    # the gradient check after the schedule, when every activation is freed: its temporaries are exact sizes
+    buffers = {f"{'routed experts' if a == 'expert' else 'dense parameters'} ({b} weights)": n * 4 / GiB
+               for (a, b), n in grad_buffers(stage_params(shape, lay, stage, wl, ctx), lay, wl).items()}
+    check = wl.grad_check_bytes / 4 * max(buffers.values(), default=0.0)
+    phases = {"forward-backward": sum(backward.values()), "gradient check": check}
+    if check > phases["forward-backward"]:
+        parts[GRAD_CHECK] = check
+    else:
+        parts.update(backward)
     if rates:
         parts["workspace"] = rates.workspace_gib
     return Memory(stage, parts, host / GiB, int(round(flight)) if lay.vpp == 1 else flight,
-                  {"transients_gib": {k: v * scale / GiB for k, v in transient.items()}})
+                  {"transients_gib": {k: v * scale / GiB for k, v in transient.items()}, "phases_gib": phases,
+                   "backward_gib": backward, "grad_buffers_gib": buffers})
 
 
 # ================================================================================================ time
@@ -883,6 +930,14 @@ def _overflow(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, m: Mem
         return (f"memory, rollout engine: {figures}; the colocated engine takes {rollout:.1f} GiB: give it its own "
                 "nodes (V4_ROLLOUT_NODES) or a smaller share")
     also = f"; the colocated engine adds {rollout:.1f} GiB (V4_ROLLOUT_NODES moves it off)" if rollout else ""
+    check = m.parts.get(GRAD_CHECK, 0)
+    if check and m.total - check + m.detail["phases_gib"]["forward-backward"] <= usable:
+        # the check is what tips it over: the forward-backward alone would fit
+        buf, n = max(m.detail.get("grad_buffers_gib", {}).items(), key=lambda kv: kv[1], default=("", 0.0))
+        return (f"memory, gradient check: {figures}; after the backward, the trainer's finite check of the {n:.1f} "
+                f"GiB fp32 gradient buffer of the {buf} (torch.isfinite: an fp32 copy and three bools, "
+                f"{wl.grad_check_bytes} bytes an element, dsv4/megatron/train.py Trainer._grads_finite) tops the "
+                f"state: fewer local experts (more EP) or fewer layers a rank{also}")
     if opt and m.total - opt - rollout <= usable:
         return (f"memory, Adam state: {figures}; the first step's backward would fit, but the Adam state its "
                 "optimizer step creates overflows the second backward (the DSV4 OOM of radixark/miles#3142): shard "
@@ -1118,6 +1173,8 @@ def _msgspec_types():
         scale_from: str = ""                        # source=scaled: the measured row it derives from
         compute_ratio: float = 1.0                  # GEMM rates x this
         memory_ratio: float = 1.0                   # memory-bound rates x this
+        outside_allocator_gib: float = 0.0          # device memory the process holds beyond torch's reserved pool
+        outside_allocator_source: str = ""          # ... where that was read
     return msgspec, Row
 
 
@@ -1211,8 +1268,9 @@ def derive_rates(row) -> Rates:
     inv = []
     for mb in (mb1, mb2):
         m = stage_memory(shape, Layout(micro_batch=mb), wl, None, 0)
-        static = m.parts["weights"] + m.parts["gradients"] + m.parts["optimizer"] + m.parts.get(STACKED, 0.0)
-        inv.append((static, m.total - static))
+        stacked = m.detail["backward_gib"].get(STACKED, 0.0)
+        static = m.parts["weights"] + m.parts["gradients"] + m.parts["optimizer"] + stacked
+        inv.append((static, m.detail["phases_gib"]["forward-backward"] - stacked))
     (s1, a1), (s2, a2) = inv
     p1, p2 = row.peak_gib[str(mb1)], row.peak_gib[str(mb2)]
     act_scale = (p2 - p1) / (a2 - a1)
@@ -1221,7 +1279,7 @@ def derive_rates(row) -> Rates:
     decode = {b: _decode_bytes(cfg, int(b), row.decode_prompt) / (ms / 1000) / 1e9 for b, ms in row.decode_ms.items()}
     rates = Rates(row.gpu, "measured", row.note, tflops, row.sparse_fwd_tflops, row.sparse_bwd_tflops, ew_ns,
                   layer_mb, grad_accum_gbps, optimizer_gbps, act_scale, workspace, decode,
-                  dict(row.sync_gbps), {})
+                  dict(row.sync_gbps), {}, row.outside_allocator_gib)
     # the fit's own check, at the calibration shape: the model must give back what it was fitted to
     hw = Hardware("calibration", row.gpu, 1000.0, 0.0, 1, 1.0, 1.0, rates=rates)
     check = {}
@@ -1255,7 +1313,15 @@ def hardware_from_config(cfg, gpus_per_node: int | None = None) -> Hardware:
     assumptions += MODEL_ASSUMPTIONS
     return Hardware(cfg.selection.hw, gpu, float(v.get("HW_GPU_MEMORY_GB", 0) or 0), float(v.get("HW_PEAK_TFLOPS", 0)),
                     gpus_per_node or int(v["V4_NUM_GPUS_PER_NODE"]), float(v.get("HW_NVLINK_GBPS", 0)),
-                    float(v.get("HW_IB_GBPS", 0)), rates, assumptions=tuple(assumptions))
+                    float(v.get("HW_IB_GBPS", 0)), rates, reserve_gib=reserve_of(rates),
+                    assumptions=tuple(assumptions))
+
+
+def reserve_of(rates: Rates | None) -> float:
+    """GiB of a GPU that the training process holds outside torch's allocator (CUDA context, kernel modules, NCCL,
+    the libraries' own allocations): the calibration's measurement where it has one (a bench process's OOM report:
+    in use less reserved), else the 2 GiB assumption."""
+    return rates.reserve_gib if rates and rates.reserve_gib else Hardware.reserve_gib
 
 
 def workload_from_config(cfg) -> Workload:
@@ -1300,6 +1366,112 @@ def predict_config(cfg, stages: list[int] | None = None) -> Prediction:
         stages = cfg.derived["PP_STAGE_LAYERS"].value
     per_node = v["PRESET_GPUS_PER_NODE"] or v["V4_NUM_GPUS_PER_NODE"]
     return predict(shape, layout_from_config(cfg, stages), workload_from_config(cfg), hardware_from_config(cfg, per_node))
+
+
+# ================================================================================================ one process
+# what `v4 bench step` does not run: it is one process, every collective and the pipeline absent
+COMMUNICATION = ("TP collectives", "EP all-to-all", "CP gathers", "PP p2p", "PP bubble", "DP gradient sync",
+                 "TP replicated-grad all-reduce")
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """What `v4 bench step` builds and trains in its one process (world size 1, megatron's schedule without a
+    pipeline), as the planner's inputs, so that the bench asks the same model as `v4 plan` before it spends minutes
+    building and compiling on the GPU. The model is given as built: with --rank-of, the rank's slice (its layers,
+    the MTP block where the slice holds it, E/EP local experts) as overrides of the preset. Then:
+    * TP as dsv4.megatron.rankshape's stand-in builds it: heads, shared expert and vocabulary over TP, the
+      sequence-parallel shards between sublayers; megatron's own groups stay of size one, so EP is 1 (every local
+      expert in this process, the grouped GEMM's stacked copies) and DP is 1 (Adam's state whole);
+    * one micro-batch's activations at a time (no pipeline holds more);
+    * the MTP block trains only where the slice holds it (the bench's MTP loss); the indexer never does."""
+    model: str
+    overrides: tuple[str, ...] = ()
+    tp: int = 1
+    etp: int = 1
+    seq_len: int = 4096
+    global_batch: int = 8
+    micro_batch: int = 1
+    recompute: str = "none"
+    mtp: bool = False
+    attn_impl: str = "tilelang"
+    adam_kernel: str = "fused"
+
+    def layout(self) -> Layout:
+        return Layout(tp=self.tp, etp=self.etp, micro_batch=self.micro_batch)
+
+    def workload(self) -> Workload:
+        return Workload(seq_len=self.seq_len, global_batch=self.global_batch, recompute=self.recompute, mtp=self.mtp,
+                        attn_impl=self.attn_impl, adam_kernel=self.adam_kernel)
+
+    def to_json(self) -> dict:
+        """The fields of a validation case (plan_validation.jsonl) with "bench": true."""
+        return {"model": self.model, "overrides": list(self.overrides), "seq_len": self.seq_len,
+                "global_batch": self.global_batch,
+                "layout": {"tp": self.tp, "etp": self.etp, "micro_batch": self.micro_batch},
+                "workload": {"recompute": self.recompute, "mtp": self.mtp, "attn_impl": self.attn_impl,
+                             "adam_kernel": self.adam_kernel}, "bench": True}
+
+    @classmethod
+    def from_case(cls, case) -> "BenchShape":
+        lay, wl = case.layout, case.workload
+        return cls(case.model, tuple(case.overrides), lay.get("tp", 1), lay.get("etp", 1), case.seq_len,
+                   case.global_batch, lay.get("micro_batch", 1), wl.get("recompute", "none"), wl.get("mtp", False),
+                   wl.get("attn_impl", "tilelang"), wl.get("adam_kernel", "fused"))
+
+
+def predict_bench(b: BenchShape, hw: Hardware) -> Prediction:
+    """The prediction for the one process of `v4 bench step`: memory as `predict` has it at that shape; time without
+    the communication the process does not run (what the bench's timed step is to be compared with)."""
+    p = predict(model_shape(b.model, b.overrides, b.seq_len), b.layout(), b.workload(), hw)
+    compute = {k: v for k, v in p.time.items() if k not in COMMUNICATION}
+    step = sum(compute.values()) if compute else None
+    return replace(p, time=compute, step_s=step, mfu=None,
+                   tokens_per_s_gpu=b.global_batch * b.seq_len / step if step else None,
+                   notes=p.notes + ["one process: no collectives, no pipeline (the bench's step)"])
+
+
+def device_hardware(gpu_name: str, total_gib: float, tp: int = 1) -> Hardware:
+    """The one GPU a bench runs on: the hw layer whose HW_GPU_NAME names it (its rates and the calibration's reserve
+    outside the allocator) at the memory the device itself reports; where no hw layer names it, memory only, at
+    the inventory's own scale and the assumed reserve (uncalibrated: the rates' note says so)."""
+    from launcher.config import Selection, load
+    from launcher.config.resolve import hw_for_gpu
+    name = hw_for_gpu(gpu_name)
+    if name is None:
+        return Hardware("", gpu_name, total_gib, 0.0, max(1, tp), 0.0, 0.0,
+                        assumptions=(f"no hw layer names {gpu_name!r}: memory without the calibrated activation "
+                                     "scale and workspace",))
+    hw = hardware_from_config(load(Selection(hw=name, environ={})), gpus_per_node=max(1, tp))
+    return replace(hw, memory_gib=total_gib)
+
+
+def memory_lines(p: Prediction, hw: Hardware) -> list[str]:
+    """A prediction's memory for people: the peak moment's parts (the state, the activations together with their
+    largest, the transient, the workspace), against what the device leaves usable; then the two phases (the
+    forward-backward and the gradient check after it) and which of them is the peak."""
+    parts = p.memory.parts
+    acts = {k.split(": ", 1)[1]: v for k, v in parts.items() if k.startswith("activations: ") and k != STACKED}
+    named = [("weights", parts.get("weights", 0.0)), ("gradients", parts.get("gradients", 0.0)),
+             ("Adam state", parts.get("optimizer", 0.0))]
+    if acts:
+        top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(acts.items(), key=lambda kv: -kv[1])[:3])
+        named.append((f"activations ({top}, ...)", sum(acts.values())))
+    named += [(k.removeprefix("activations: ") if k == STACKED else f"transient ({k.removeprefix('transient: ')})", v)
+              for k, v in parts.items() if k == STACKED or k.startswith("transient: ")]
+    named.append(("workspace", parts.get("workspace", 0.0)))
+    lines = [f"predicted peak {p.peak_gib:.1f} GiB of {p.usable_gib:.1f} usable ({hw.memory_gib:.1f} GiB less "
+             f"{hw.reserve_gib:.2f} outside torch's allocator, {hw.fragmentation:.0%} fragmentation): "
+             + ", ".join(f"{k} {v:.1f}" for k, v in named if v >= 0.05)]
+    phases = p.memory.detail.get("phases_gib")
+    if phases:
+        state = sum(parts.get(k, 0.0) for k in ("weights", "gradients", "optimizer"))
+        buf, n = max(p.memory.detail["grad_buffers_gib"].items(), key=lambda kv: kv[1], default=("", 0.0))
+        peak = max(phases, key=phases.get)
+        lines.append(f"  over {state:.1f} GiB of state: the forward-backward {phases['forward-backward']:.1f}, "
+                     f"the gradient check after it {phases['gradient check']:.1f} ({p.workload.grad_check_bytes} "
+                     f"bytes an element of the {n:.1f} GiB fp32 gradient buffer of the {buf}): the {peak} is the peak")
+    return lines
 
 
 # ================================================================================================ enumeration
@@ -1414,6 +1586,7 @@ def _validation_types():
         expect: str = ""                   # fits | oom | rejected
         gpu_memory_gb: float = 0.0
         quantity: str = ""
+        bench: bool = False                # the one process of `v4 bench step` (BenchShape), not a layout's rank
     return msgspec, Case
 
 
@@ -1447,6 +1620,9 @@ def _case_layout(shape: ModelShape, d: dict) -> Layout:
 
 def case_prediction(case) -> tuple[Prediction | None, list[str]]:
     """The model's prediction for one validation case, and the reasons its layout cannot run (if any)."""
+    if case.bench:
+        b = BenchShape.from_case(case)
+        return predict_bench(b, _case_hardware(case, b.tp)), []
     shape = model_shape(case.model, tuple(case.overrides), case.seq_len)
     if "first" in case.layout:
         from launcher.config.checks import pipeline_split
@@ -1469,12 +1645,44 @@ def _quantity(p: Prediction, key: str) -> float | None:
     return {"peak_gib": p.peak_gib, "step_s": p.step_s, "weights_gib": p.memory.parts.get("weights")}.get(key)
 
 
-def validation_table(path: str = str(VALIDATION_FILE)) -> list[dict]:
+TRAIN_STEP_RECORDS = ROOT / "benchmarks" / "records" / "train_step.jsonl"
+
+
+def record_cases(path: str = str(TRAIN_STEP_RECORDS)) -> list:
+    """Validation cases from `v4 bench step --record` rows that carry the planner's inputs ("plan": the BenchShape,
+    the device's memory, the prediction made then): each measured peak and step against today's model."""
+    msgspec, Case = _validation_types()
+    out = []
+    p = Path(path)
+    for no, line in enumerate(p.read_text().splitlines() if p.exists() else [], 1):
+        rec = json.loads(line) if line.strip() else {}
+        plan = rec.get("plan")
+        # a GPU no hw layer names was predicted uncalibrated: nothing to hold the model to
+        if not plan or not plan.get("hw") or not rec.get("metrics") or \
+                rec.get("benchmark", "").endswith("_nonfinite_hooks"):
+            continue
+        then = plan.get("predicted", {})
+        case = {k: v for k, v in plan.items() if k not in ("predicted", "gpu_memory_gib")}
+        try:
+            out.append(msgspec.convert({
+                **case, "name": f"{rec['benchmark']} (bench record)", "source": "measured",
+                "gpu_memory_gb": plan.get("gpu_memory_gib", 0.0), "date": rec.get("date") or "",
+                "commit": rec.get("commit") or "", "command": rec.get("command", ""),
+                "measured": {"peak_gib": rec["metrics"]["peak_mem_gb"], "step_s": rec["metrics"]["step_s"]},
+                "note": f"{p.name}; predicted when it ran: {then.get('peak_gib', '?')} GiB, "
+                        f"{then.get('step_s', '?')} s"}, Case))
+        except (msgspec.ValidationError, KeyError) as e:
+            raise ValueError(f"{path}:{no}: the record's plan is not a validation case: {e}") from None
+    return out
+
+
+def validation_table(path: str = str(VALIDATION_FILE), records: str | None = None) -> list[dict]:
     """One row per case and quantity: measured, predicted, relative error, and the verdict against
     MODEL_TOLERANCE (memory +-10 %, step time +-15 %); ratio cases compare predicted and measured ratios to a
-    reference run of the same code, which cancels what changed in the code since."""
+    reference run of the same code, which cancels what changed in the code since. `records`: a train_step.jsonl
+    whose bench rows carry their plan (record_cases) adds those."""
     rows = []
-    for case in validation_cases(path):
+    for case in validation_cases(path) + (record_cases(records) if records else []):
         p, problems = case_prediction(case)
         src = " ".join(x for x in (case.date, case.commit) if x) or case.source
         base = {"name": case.name, "source": src, "kind": case.source, "command": case.command, "note": case.note}
@@ -1492,6 +1700,9 @@ def validation_table(path: str = str(VALIDATION_FILE)) -> list[dict]:
                              "verdict": ("within" if abs(err) <= MODEL_TOLERANCE["memory"] else "OUTSIDE")
                              + f" +-{MODEL_TOLERANCE['memory']:.0%}", "ok": abs(err) <= MODEL_TOLERANCE["memory"]})
             feasible = p.fits and not problems
+            # an OOM's report bounds the peak from below: what PyTorch had allocated plus the request that failed
+            floor = case.measured.get("oom_gib")
+            err = p.peak_gib / floor - 1 if floor else None
             if case.expect == "fits":
                 verdict = (f"feasible: {p.peak_gib:.1f} of {p.usable_gib:.1f} GiB" if feasible else
                            "NOT feasible: " + "; ".join(problems + [p.overflow]))
@@ -1499,8 +1710,11 @@ def validation_table(path: str = str(VALIDATION_FILE)) -> list[dict]:
             else:
                 verdict = ("flagged: " + (p.overflow or "; ".join(problems))) if not feasible else "NOT flagged"
                 ok = not feasible
-            rows.append({**base, "quantity": "peak GiB", "measured": None, "predicted": p.peak_gib, "error": None,
-                         "verdict": verdict, "ok": ok})
+                if floor and err < -MODEL_TOLERANCE["memory"]:
+                    verdict, ok = f"{verdict}; but under the OOM's allocated {floor:.1f} GiB by more than " \
+                        f"{MODEL_TOLERANCE['memory']:.0%}", False
+            rows.append({**base, "quantity": "peak GiB" + (" (OOM: at least)" if floor else ""), "measured": floor,
+                         "predicted": p.peak_gib, "error": err, "verdict": verdict, "ok": ok})
             continue
         ref = None
         if case.relative_to:

@@ -125,21 +125,24 @@ class RankShape:
     left_out: tuple[tuple[str, str], ...] = ()
 
     # ---------------------------------------------------------------------------------- the model
-    def _slice(self, experts: int) -> ModelConfig:
+    def slice_overrides(self, experts: int | None = None) -> dict:
+        """The model fields that make the slice of the full model (at `experts` routed experts, default the rank's
+        local ones): what `model_config` applies, and what the cost model is given as model overrides
+        (launcher.costmodel.BenchShape), so that the planner predicts the model the bench builds."""
         full = self.full
         mtp = list(range(full.n_layers, full.n_layers + full.n_mtp_layers)) if self.mtp else []
-        return full.with_overrides(n_layers=len(self.layer_ids), n_mtp_layers=len(mtp),
-                                   compress_ratios=[full.layer_ratio(i) for i in list(self.layer_ids) + mtp],
-                                   n_hash_layers=sum(full.is_hash_layer(i) for i in self.layer_ids),
-                                   n_routed_experts=experts)
+        return {"n_layers": len(self.layer_ids), "n_mtp_layers": len(mtp),
+                "compress_ratios": [full.layer_ratio(i) for i in list(self.layer_ids) + mtp],
+                "n_hash_layers": sum(full.is_hash_layer(i) for i in self.layer_ids),
+                "n_routed_experts": self.local_experts if experts is None else experts}
 
     def model_config(self) -> ModelConfig:
         """The slice with the rank's local experts."""
-        return self._slice(self.full.n_routed_experts // self.layout.ep)
+        return self.full.with_overrides(**self.slice_overrides())
 
     def flops_config(self) -> ModelConfig:
         """The slice at the model's own expert count: what dsv4/flops.py counts model FLOPs of."""
-        return self._slice(self.full.n_routed_experts)
+        return self.full.with_overrides(**self.slice_overrides(self.full.n_routed_experts))
 
     @property
     def flops_share(self) -> float:

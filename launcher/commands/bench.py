@@ -336,7 +336,7 @@ def rank_options(f):
                               "head), first, last, or a stage number"),
             click.option("--layers", type=int, default=None,
                          help="with --rank-of: the slice's layer count instead of the stage's (one that fits the "
-                              "device's memory)")]):
+                              "device's memory: `v4 bench step` names the largest the cost model says fits)")]):
         f = opt(f)
     return f
 
@@ -503,6 +503,116 @@ def peak_tflops_of(device_name: str) -> float:
     return float(vals.get("HW_PEAK_TFLOPS") or 0)
 
 
+@dataclass
+class StepPlan:
+    """What launcher/costmodel.py predicts for the process `v4 bench step` is about to build (its BenchShape on this
+    GPU), before anything is built: the bench refuses a shape the model says does not fit, and prints and records
+    the prediction beside the measured peak when it runs."""
+    shape: object                     # costmodel.BenchShape
+    hw: object                        # costmodel.Hardware: this device
+    prediction: object                # costmodel.Prediction
+    what: str                         # the shape in words, for the messages
+
+    def lines(self) -> list[str]:
+        from launcher import costmodel
+        return costmodel.memory_lines(self.prediction, self.hw)
+
+    def to_json(self) -> dict:
+        p = self.prediction
+        return {**self.shape.to_json(), "hw": self.hw.name, "gpu_memory_gib": round(self.hw.memory_gib, 2),
+                "predicted": {"peak_gib": round(p.peak_gib, 2), "usable_gib": round(p.usable_gib, 2),
+                              "fits": p.fits, "memory_gib": {k: round(v, 3) for k, v in p.memory.parts.items()},
+                              "phases_gib": {k: round(v, 2) for k, v in p.memory.detail["phases_gib"].items()},
+                              "step_s": None if p.step_s is None else round(p.step_s, 4)}}
+
+
+def _specs(fields: dict) -> tuple[str, ...]:
+    """Model fields as the cost model's override strings ("k=v"; lists as JSON without spaces)."""
+    return tuple(f"{k}={json.dumps(v, separators=(',', ':')) if isinstance(v, list) else v}"
+                 for k, v in fields.items())
+
+
+def step_shape(model: str, overrides: dict, rank, seq_len: int, global_batch: int, micro_batch: int,
+               recompute: str):
+    """The planner's inputs (launcher.costmodel.BenchShape) for the process bench_step builds: the preset with the
+    bench's overrides and, with --rank-of, the rank's slice (RankShape.slice_overrides, what its model_config
+    applies), TP/ETP as the stand-in builds them, the MTP block trained where the slice holds it."""
+    from launcher import costmodel
+    lay = rank.layout if rank else None
+    return costmodel.BenchShape(model, _specs({**overrides, **(rank.slice_overrides() if rank else {})}),
+                                tp=lay.tp if lay else 1, etp=lay.etp if lay else 1, seq_len=seq_len,
+                                global_batch=global_batch, micro_batch=micro_batch, recompute=recompute,
+                                mtp=bool(rank and rank.mtp), attn_impl=overrides.get("attn_impl", "tilelang"))
+
+
+def step_plan(model: str, overrides: dict, rank, seq_len: int, global_batch: int, micro_batch: int, recompute: str,
+              gpu_name: str, total_gib: float) -> StepPlan:
+    """The cost model's prediction for bench_step's process on the GPU `gpu_name` of `total_gib` (as the device
+    reports it: what the allocator can ever have, not the hw layer's nominal figure)."""
+    from launcher import costmodel
+    shape = step_shape(model, overrides, rank, seq_len, global_batch, micro_batch, recompute)
+    hw = costmodel.device_hardware(gpu_name, total_gib, shape.tp)
+    cfg = costmodel.model_shape(shape.model, shape.overrides, seq_len).cfg
+    what = (f"rank 0 of {rank.layout}, {rank.stage_name()}, " if rank else "") + (
+        f"{cfg.n_layers} layers" + (f" + {cfg.n_mtp_layers} MTP" if shape.mtp else "")
+        + f", {cfg.n_routed_experts} experts, micro-batch {micro_batch} x {seq_len}")
+    return StepPlan(shape, hw, costmodel.predict_bench(shape, hw), what)
+
+
+def what_fits(plan: StepPlan, model: str, overrides: dict, rank_of: str | None, stage: str, rank,
+              seq_len: int, global_batch: int, micro_batch: int, recompute: str) -> list[str]:
+    """The nearest shapes the model says fit, for the refusal: the largest --layers of the rank's slice (without
+    --rank-of, the largest n_layers override), and the largest smaller micro-batch."""
+    from dataclasses import replace as dc_replace
+
+    from launcher import costmodel
+    out = []
+    layers_now = costmodel.model_shape(plan.shape.model, plan.shape.overrides, seq_len).cfg.n_layers
+    for n in range(layers_now - 1, 0, -1):
+        try:
+            if rank_of:
+                r, _ = build_rank(model, overrides, rank_of, stage, n, train=True, seq_len=seq_len)
+                b = step_shape(model, overrides, r, seq_len, global_batch, micro_batch, recompute)
+                flag = f"--layers {n}"
+            else:
+                fields = {**overrides, "n_layers": n}
+                b = step_shape(model, fields, None, seq_len, global_batch, micro_batch, recompute)
+                flag = "--model-overrides '" + " ".join(f"{k}={v}" for k, v in fields.items() if k != "attn_impl") + "'"
+            p = costmodel.predict_bench(b, plan.hw)
+        except (click.BadParameter, KeyError, ValueError, TypeError):
+            continue              # a length the model cannot be cut to (its hash-routed layers, say)
+        if p.fits:
+            out.append(f"{flag} (predicted {p.peak_gib:.1f} GiB)")
+            break
+    else:
+        out.append("no --layers fits" if rank_of else "no layer count fits")
+    for mb in range(micro_batch - 1, 0, -1):
+        if global_batch % mb == 0:
+            p = costmodel.predict_bench(dc_replace(plan.shape, micro_batch=mb), plan.hw)
+            if p.fits:
+                out.append(f"--micro-batch {mb} (predicted {p.peak_gib:.1f} GiB)")
+                break
+    return out
+
+
+def refuse_or_warn(plan: StepPlan, alternatives: list[str], skip: bool, say) -> None:
+    """Exit 2 when the predicted peak exceeds what this GPU leaves usable, naming the parts and what fits instead;
+    with --skip-fit-check, say so and go on."""
+    from launcher import costmodel
+    from launcher.errors import USAGE, V4Error
+    p = plan.prediction
+    # (not the planner's overflow text: its remedies, shard the optimizer or add stages, are a cluster's)
+    why = (f"the cost model predicts {plan.what} peaks at {p.peak_gib:.1f} GiB, more than the "
+           f"{p.usable_gib:.1f} GiB this {plan.hw.gpu or 'GPU'} leaves usable")
+    if skip:
+        say(f"[bench] --skip-fit-check: building anyway; {why}")
+        return
+    fits = "; ".join(alternatives)
+    raise V4Error(f"v4 bench step: {why}\n  " + "\n  ".join(costmodel.memory_lines(p, plan.hw)),
+                  fix=f"what the model says fits: {fits}; --skip-fit-check builds anyway (the model holds memory to "
+                      f"+-{costmodel.MODEL_TOLERANCE['memory']:.0%}: docs/plan.md)", code=USAGE)
+
+
 @bench.command("step")
 @model_options
 @rank_options
@@ -526,14 +636,24 @@ def peak_tflops_of(device_name: str) -> float:
 @click.option("--nonfinite-hooks", "hooks", is_flag=True,
               help="one more row: the last variant with the non-finite hooks on every module, as "
                    "PRESET_NONFINITE_LOCATE=every_step trains (the default attaches them only to re-run a bad step)")
+@click.option("--skip-fit-check", "skip_fit_check", is_flag=True,
+              help="build even when launcher/costmodel.py predicts the step's peak memory exceeds this GPU's "
+                   "(before building, the bench predicts the process it is about to build and refuses, exit 2, a "
+                   "shape that does not fit, naming the parts and the largest --layers or micro-batch that does; "
+                   "on a CPU there is no check)")
 @record_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
 def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers, seq_len, global_batch, micro_batch,
-               recompute, warmup, steps, compare, top, peak_tflops, profile, hooks, record, records_dir, as_json):
+               recompute, warmup, steps, compare, top, peak_tflops, profile, hooks, skip_fit_check, record,
+               records_dir, as_json):
     """Training step speed: tokens/s, TFLOP/s and MFU of the real trainer (megatron-core DDP and optimizer, one
     process), and a profiled step's device time by part of the model (attention, indexer, compressors,
     hyper-connections, norms, router and dispatch, expert GEMMs, LM head and loss, optimizer, communication,
-    idle), which add up to the step. With --rank-of, what rank 0 of a parallel layout computes, on one device."""
+    idle), which add up to the step. With --rank-of, what rank 0 of a parallel layout computes, on one device.
+
+    On a GPU the cost model (launcher/costmodel.py, `v4 plan`) first predicts the process's peak memory: a shape it
+    says does not fit is refused in seconds instead of running out of memory after minutes of compiling
+    (--skip-fit-check builds it anyway); the prediction is printed beside the measured peak and recorded."""
     import torch
 
     from dsv4.config import ModelConfig
@@ -560,14 +680,30 @@ def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers
     if rank:
         for line in rank.describe(seq_len, micro_batch):
             say(f"[bench] {line}")
+    plan = None
+    if cuda:      # a CPU's memory is the host's: nothing to predict against
+        plan = step_plan(model, overrides, rank, seq_len, global_batch, micro_batch, recompute,
+                         torch.cuda.get_device_name(),
+                         torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2 ** 30)
+        for line in plan.lines():
+            say(f"[bench] {line}")
+        if not plan.prediction.fits:
+            refuse_or_warn(plan, [] if skip_fit_check else what_fits(
+                plan, model, overrides, rank_of, stage, rank, seq_len, global_batch, micro_batch, recompute),
+                skip_fit_check, say)
     try:
         res = stepprof.bench_step(cfg, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                                   steps=steps, warmup=warmup, device=dev, recompute=recompute,
                                   peak_tflops=peak_tflops, variants=variants, profile=profile, top=top,
                                   hooks=hooks, rank=rank, say=say)
     except torch.OutOfMemoryError as e:
+        said = ""
+        if plan:
+            pred = f"{plan.prediction.peak_gib:.1f} GiB of {plan.prediction.usable_gib:.1f} usable"
+            said = (f" (the cost model predicted {pred}: a miss, for benchmarks/records/plan_validation.jsonl)"
+                    if plan.prediction.fits else f" (as the cost model predicted: {pred})")
         raise click.UsageError(f"out of device memory ({str(e).splitlines()[0]}): the model of {cfg.n_layers} layers "
-                               f"and {cfg.n_routed_experts} experts with its Adam state does not fit; try fewer "
+                               f"and {cfg.n_routed_experts} experts with its Adam state does not fit{said}; try fewer "
                                "--layers, a larger TP or EP in --rank-of, or --micro-batch 1") from None
     finally:
         import torch.distributed as dist
@@ -578,10 +714,11 @@ def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers
     report = {"device": dev_name, "model": model, "overrides": overrides,
               "peak_tflops": peak_tflops, "rank": rank.summary(seq_len, micro_batch) if rank else None, **res,
               "rows": [{**asdict(r), "parts_ms": r.parts_ms} for r in rows],
-              "top_kernels": [asdict(k) for k in res["top_kernels"]]}
+              "top_kernels": [asdict(k) for k in res["top_kernels"]],
+              "plan": plan.to_json() if plan else None}
     if record:
         recs = step_records(record, rows, model, overrides, cfg, seq_len, global_batch, micro_batch, peak_tflops, rank,
-                            res["routing"])
+                            res["routing"], plan)
         append_records(records_dir, "train_step.jsonl", dev_name, recs, say)
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -598,12 +735,21 @@ def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers
         click.echo(f"tokens per expert, measured on one micro-batch: mean {r['tokens_per_expert_mean']:,.0f}, "
                    f"min {r['tokens_per_expert_min']:,.0f}, max {r['tokens_per_expert_max']:,.0f}")
     w = max([24] + [len(r.variant) + 4 for r in rows])
-    click.echo(f"{'variant':<{w}} {'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'loss':>9} {'peak GB':>8}")
+    # the prediction is of the shape, the same for every variant (they change how the math runs, not its tensors)
+    pred_peak = f"{plan.prediction.peak_gib:>9.1f}" if plan else f"{'-':>9}"
+    pred_step = f"{plan.prediction.step_s:>7.3f}" if plan and plan.prediction.step_s else f"{'-':>7}"
+    click.echo(f"{'variant':<{w}} {'s/step':>8} {'pred s':>7} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'loss':>9} "
+               f"{'peak GB':>8} {'pred GiB':>9}")
     for i, r in enumerate(rows):
         mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
         label = f"({i + 1}) {r.variant}" if len(rows) > 1 else r.variant
-        click.echo(f"{label:<{w}} {r.step_s:>8.3f} {r.tokens_per_s:>10,.0f} {r.model_tflops:>8.1f} {mfu:>6} "
-                   f"{r.loss:>9.4f} {r.peak_mem_gb:>8.1f}")
+        click.echo(f"{label:<{w}} {r.step_s:>8.3f} {pred_step} {r.tokens_per_s:>10,.0f} {r.model_tflops:>8.1f} "
+                   f"{mfu:>6} {r.loss:>9.4f} {r.peak_mem_gb:>8.1f} {pred_peak}")
+    if plan:
+        click.echo("(pred: launcher/costmodel.py for this process, before it was built; peak GB is "
+                   "torch.cuda.max_memory_allocated in GiB, the figure the model predicts)")
+        for line in plan.lines():
+            click.echo(line)
     profiled = [i for i, r in enumerate(rows) if r.parts]          # (the hooks' row is timed only)
     if len(profiled) > 1:
         click.echo("\nwhere each profiled step's time goes (device ms by part; share: the last variant's):")
@@ -619,9 +765,10 @@ def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers
 
 
 def step_records(record: str, rows, model: str, overrides: dict, cfg, seq_len: int, global_batch: int,
-                 micro_batch: int, peak_tflops: float, rank, routing) -> list[dict]:
+                 micro_batch: int, peak_tflops: float, rank, routing, plan: StepPlan | None = None) -> list[dict]:
     """One record a timed row: benchmark RECORD (RECORD_2, ... for several variants; RECORD_nonfinite_hooks for the
-    hooks' row), the profile's parts where the row was profiled."""
+    hooks' row), the profile's parts where the row was profiled, and on a GPU the cost model's inputs and prediction
+    ("plan": what `v4 plan calibration` re-predicts and compares with the measured peak and step)."""
     shape = (f"{model} {' '.join(f'{k}={v}' for k, v in overrides.items())}, {cfg.n_layers} layers"
              + (f" + {cfg.n_mtp_layers} MTP" if rank and rank.mtp else "")
              + f", {cfg.n_routed_experts} experts, {global_batch} x {seq_len} tokens, micro-batch {micro_batch}")
@@ -649,6 +796,8 @@ def step_records(record: str, rows, model: str, overrides: dict, cfg, seq_len: i
         if rank:
             rec["rank"] = rank.summary(seq_len, micro_batch)
             rec["routing"] = routing
+        if plan:
+            rec["plan"] = plan.to_json()
         out.append(rec)
     return out
 

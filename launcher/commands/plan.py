@@ -212,6 +212,8 @@ def show(selection, model, model_overrides, gpus, seq_len, global_batch, optimiz
     for k, val in sorted(p.memory.parts.items(), key=lambda kv: -kv[1]):
         click.echo(f"  {k:<44} {val:>9.2f}")
     click.echo(f"  {'total':<44} {p.peak_gib:>9.2f}   {'fits' if p.fits else 'DOES NOT FIT'}")
+    for line in costmodel.memory_lines(p, hw)[1:]:      # the phases: forward-backward, then the gradient check
+        click.echo(line)
     if p.memory.host_gib:
         click.echo(f"  (optimizer state on the host: {p.memory.host_gib:.1f} GiB a GPU)")
     click.echo("  stages: " + "  ".join(f"{i}:{x:.1f}" for i, x in enumerate(p.stage_memory_gib)))
@@ -304,13 +306,17 @@ def _plot(series: list, path: str, per_gpu: float) -> None:
 
 
 @plan.command("calibration")
+@click.option("--records", "records", type=click.Path(dir_okay=False), default=None,
+              help="the bench records whose rows carry their plan (default: benchmarks/records/train_step.jsonl)")
 @click.option("--json", "as_json", is_flag=True)
-def calibration(as_json):
+def calibration(records, as_json):
     """Predicted against measured for every recorded measurement the model can be held to, with the tolerance verdict
-    (benchmarks/records/plan_validation.jsonl); rows still to be measured on a GPU say how."""
+    (benchmarks/records/plan_validation.jsonl, and every `v4 bench step --record` row that recorded the cost
+    model's inputs: its measured peak and step against today's prediction); rows still to be measured on a GPU say
+    how."""
     from launcher import costmodel
 
-    rows = costmodel.validation_table()
+    rows = costmodel.validation_table(records=records or str(costmodel.TRAIN_STEP_RECORDS))
     if as_json:
         click.echo(_json(rows))
         return

@@ -121,3 +121,106 @@ def test_flashmla_is_timed_on_our_inputs_only_when_it_agrees():
     fm = [r for r in rows if r.impl == "flashmla"]
     assert len(fm) == 1 and fm[0].ms is not None and math.isfinite(fm[0].tflops), fm
     assert "within" in fm[0].note and where in fm[0].note
+
+
+# --- `v4 bench step`'s fit check: the cost model before anything is built ------------------------------------------
+
+H200_GIB = 139.80      # what torch reports of an H200
+
+
+def _rank(rank_of: str, layers: int | None = None):
+    from launcher.commands.bench import build_rank
+    return build_rank("flash", {"attn_impl": "tilelang"}, rank_of, "mixed", layers, train=True, seq_len=4096)[0]
+
+
+def test_the_bench_predicts_the_model_it_builds():
+    """One source: the slice the cost model is given (RankShape.slice_overrides as model overrides) is the model the
+    bench builds (RankShape.model_config), and the validation rows of the two OOMs are the bench's shapes."""
+    from launcher import costmodel as cm
+    from launcher.commands.bench import step_shape
+    cases = {c.command: c for c in cm.validation_cases() if c.bench}
+    for rank_of, layers, cmd in (("EP=8 PP=8 FIRST=4 LAST=3", 4,
+                                  'v4 bench step --rank-of "EP=8 PP=8 FIRST=4 LAST=3" --layers 4 --steps 3'),
+                                 ("TP=8 PP=8 EP=8 FIRST=4 LAST=3", None,
+                                  'v4 bench step --rank-of "TP=8 PP=8 EP=8 FIRST=4 LAST=3" --steps 3')):
+        rank = _rank(rank_of, layers)
+        b = step_shape("flash", {"attn_impl": "tilelang"}, rank, 4096, 8, 1, "none")
+        assert cm.model_shape(b.model, b.overrides, 4096).cfg == rank.model_config()
+        assert (b.tp, b.mtp) == (rank.layout.tp, True)
+        assert b == cm.BenchShape.from_case(cases[cmd])
+
+
+def _pretend_h200(monkeypatch):
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: SimpleNamespace(total_memory=int(H200_GIB * 2 ** 30)))
+
+
+@pytest.mark.parametrize("args,fits,peak", [
+    (["--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "4"], "--layers 3", "130.2"),
+    (["--rank-of", "TP=8 PP=8 EP=8 FIRST=4 LAST=3"], "--layers 5", "137.9"),
+])
+def test_bench_step_refuses_what_the_model_says_does_not_fit(monkeypatch, capsys, args, fits, peak):
+    """The two rank shapes that ran out of memory on one H200 after 141-246 s of building and compiling are refused
+    before anything is built (exit 2), with the predicted peak by part and the largest --layers that fits."""
+    import time
+
+    from dsv4.megatron import stepprof
+    from launcher.cli import main
+    _pretend_h200(monkeypatch)
+    monkeypatch.setattr(stepprof, "bench_step", lambda *a, **kw: pytest.fail("built a shape the model refuses"))
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "step", *args, "--steps", "3"])
+    assert e.value.code == 2 and time.monotonic() - t0 < 60
+    err = capsys.readouterr().err
+    assert f"peaks at {peak} GiB" in err and "127.1 GiB this H200 leaves usable" in err
+    for part in ("weights", "gradients", "Adam state", "workspace", "gradient check"):
+        assert part in err, part
+    assert f"what the model says fits: {fits}" in err and "--skip-fit-check" in err
+
+
+def test_bench_step_builds_anyway_when_told_and_fits_the_measured_shape(monkeypatch, capsys):
+    """--skip-fit-check goes on to build; the 32-expert shape measured at 108.2 GiB is not refused at all, and its
+    prediction (within +-10 %) is printed before the build."""
+    from dsv4.megatron import stepprof
+    from launcher.cli import main
+    _pretend_h200(monkeypatch)
+
+    def built(*a, **kw):
+        raise RuntimeError("built")
+    monkeypatch.setattr(stepprof, "bench_step", built)
+    with pytest.raises(RuntimeError, match="built"):
+        main(["bench", "step", "--rank-of", "TP=8 PP=8 EP=8 FIRST=4 LAST=3", "--skip-fit-check"])
+    assert "--skip-fit-check: building anyway" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="built"):
+        main(["bench", "step", "--model-overrides", "n_routed_experts=32"])
+    err = capsys.readouterr().err
+    peak = float(err.split("predicted peak ")[1].split(" GiB")[0])
+    assert abs(peak / 108.2 - 1) <= 0.10 and "refuse" not in err
+
+
+def test_a_step_record_carries_its_plan_for_the_calibration(tmp_path):
+    """`--record` on a GPU stores the cost model's inputs and prediction with the measured row; `v4 plan calibration`
+    turns it into a case and compares today's prediction with what was measured."""
+    import json
+
+    from dsv4.config import ModelConfig
+    from dsv4.megatron.stepprof import StepRow
+    from launcher import costmodel as cm
+    from launcher.commands.bench import step_plan, step_records
+    overrides = {"n_routed_experts": "32", "attn_impl": "tilelang"}
+    plan = step_plan("4layer", overrides, None, 4096, 8, 1, "none", "NVIDIA H200", H200_GIB)
+    cfg = ModelConfig.preset("4layer").with_overrides(**overrides)
+    rows = [StepRow("defaults", 1.337, 24503, 257.6, 0.261, 12.28, 108.2)]
+    (rec,) = step_records("e32", rows, "4layer", overrides, cfg, 4096, 8, 1, 989.0, None, None, plan)
+    assert rec["plan"]["predicted"]["peak_gib"] == round(plan.prediction.peak_gib, 2)
+    assert rec["plan"]["gpu_memory_gib"] == H200_GIB and rec["plan"]["bench"]
+    path = tmp_path / "train_step.jsonl"
+    path.write_text(json.dumps({**rec, "date": "2026-12-04", "device": "NVIDIA H200", "command": "v4 bench step"})
+                    + "\n")
+    got = {r["quantity"]: r for r in cm.validation_table(records=str(path)) if r["name"] == "e32 (bench record)"}
+    assert got["peak GiB"]["ok"] and got["s/step"]["ok"], got

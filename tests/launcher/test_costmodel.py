@@ -266,6 +266,109 @@ def test_the_indexer_scores_only_cp_divides_are_flagged_at_long_context():
     assert not p1.fits and p1.overflow.startswith("memory, indexer scores") and "miles#1766" in p1.overflow
 
 
+# --- the finite check after the backward, and what the bench's OOMs say ---------------------------------------------
+
+def test_the_gradient_check_allocates_seven_bytes_an_element():
+    """Trainer._grads_finite runs `(~torch.isfinite(g)).any()` on each of DDP's flat fp32 gradient buffers: torch's
+    isfinite is `(g == g) * (g.abs() != inf)`, an fp32 copy and three bools alive at once (GRAD_CHECK_BYTES). Should
+    torch change it, this says so."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    live: dict[int, int] = {}
+    peak = [0]
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                live[id(out)] = out.numel() * out.element_size()
+                weakref.finalize(out, live.pop, id(out), None)
+                peak[0] = max(peak[0], sum(live.values()))
+            return out
+    g = torch.zeros(4096)
+    with Sizes():
+        (~torch.isfinite(g)).any()
+    assert peak[0] == cm.GRAD_CHECK_BYTES * g.numel()
+
+
+def _bench_cases() -> dict:
+    return {c.name: c for c in cm.validation_cases() if c.bench}
+
+
+def test_the_tp8_ranks_oom_is_the_gradient_check_over_its_state():
+    """`v4 bench step --rank-of "TP=8 PP=8 EP=8 FIRST=4 LAST=3"` (ad6970e): CUDA OOM allocating 21.00 GiB with
+    100.50 GiB allocated. The state the model counts is those 100.5 GiB (weights, fp32 gradients, Adam of 7 blocks x
+    32 experts at TP8), and 21 GiB is the fp32 copy isfinite makes of the experts' gradient buffer: 7 x 32 x 3 x 2048
+    x 4096 elements. The check, not the forward-backward, is the step's peak."""
+    case = _bench_cases()["the TP8 PP8 EP8 rank shape, 6 layers, on one H200 (bench)"]
+    p, _ = cm.case_prediction(case)
+    parts = p.memory.parts
+    state = parts["weights"] + parts["gradients"] + parts["optimizer"]
+    assert state == pytest.approx(100.50, rel=0.01)
+    buffers = p.memory.detail["grad_buffers_gib"]
+    experts = buffers["routed experts (bf16 weights)"]
+    assert experts * GiB == 7 * 32 * 3 * 2048 * 4096 * 4 == 21 * GiB     # the failed allocation, to the byte
+    assert parts[cm.GRAD_CHECK] == pytest.approx(7 / 4 * 21)
+    phases = p.memory.detail["phases_gib"]
+    assert phases["gradient check"] > phases["forward-backward"] and not p.fits
+    assert p.overflow.startswith("memory, gradient check") and "Trainer._grads_finite" in p.overflow
+
+
+def test_the_bench_ooms_are_flagged_and_no_lower_than_what_they_had_allocated():
+    """Both rank shapes that ran out of memory on one H200 (139.80 GiB) are refused; the EP8 one at 130.2 GiB against
+    the 130.5 its OOM had allocated with the failed request (the logits), out of 127.1 usable: the 8.87 GiB the
+    process held outside torch's allocator (the TP8 report) is what the old 2 GiB reserve missed."""
+    rows = {r["name"]: r for r in cm.validation_table() if r["kind"] == "oom"}
+    for name in _bench_cases():
+        r = rows[name]
+        assert r["ok"] and r["verdict"].startswith("flagged"), r
+        assert r["predicted"] >= r["measured"] * (1 - cm.MODEL_TOLERANCE["memory"]), r
+    ep8 = rows["the EP8 rank shape, 4 layers, on one H200 (bench)"]
+    assert ep8["measured"] == pytest.approx(128.52 + 1.97) and abs(ep8["error"]) < 0.01
+
+
+def test_the_reserve_outside_the_allocator_is_the_measured_one():
+    hw = hardware()
+    assert hw.reserve_gib == cm.rates_for("H200").reserve_gib == 8.87
+    assert hw.usable_gib == pytest.approx((141 - 8.87) / 1.03)
+    assert cm.rates_for("H20").reserve_gib == 8.87                 # the scaled row: the same software, assumed
+    bare = cm.Hardware("x", "X", 80, 0, 1, 0, 0)
+    assert bare.reserve_gib == 2.0 == cm.reserve_of(None)
+
+
+def test_the_bench_prediction_of_the_32_expert_shape_and_its_record(tmp_path):
+    """The bench's own prediction (predict_bench) of the 32-expert shape it measured at 108.2 GiB and 1.337 s: within
+    +-10 % and +-15 %, and a `--record` row carrying its plan comes back in `v4 plan calibration`."""
+    b = cm.BenchShape("4layer", ("n_routed_experts=32", "attn_impl=tilelang"))
+    hw = cm.device_hardware("NVIDIA H200", 139.8)
+    p = cm.predict_bench(b, hw)
+    assert p.fits and abs(p.peak_gib / 108.2 - 1) <= 0.10 and abs(p.step_s / 1.337 - 1) <= 0.15
+    assert not set(p.time) & set(cm.COMMUNICATION)
+    assert hw.memory_gib == 139.8 and hw.usable_gib == pytest.approx((139.8 - 8.87) / 1.03)
+    rec = {"date": "2026-12-04", "commit": "abc1234", "device": "NVIDIA H200", "benchmark": "e32_test",
+           "metrics": {"step_s": 1.337, "peak_mem_gb": 108.2},
+           "command": "v4 bench step --model-overrides n_routed_experts=32 --record e32_test",
+           "plan": {**b.to_json(), "hw": "h200", "gpu_memory_gib": 139.8, "predicted": {"peak_gib": 108.1}}}
+    path = tmp_path / "train_step.jsonl"
+    path.write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "benchmark": "old", "plan": None}) + "\n")
+    rows = [r for r in cm.validation_table(records=str(path)) if r["name"] == "e32_test (bench record)"]
+    assert {r["quantity"] for r in rows} == {"peak GiB", "s/step"} and all(r["ok"] for r in rows), rows
+    assert "108.1" in rows[0]["note"]
+
+
+def test_a_tp_bench_predicts_its_compute_without_the_collectives():
+    b = cm.BenchShape("flash", ("n_layers=2", "n_mtp_layers=0", "compress_ratios=[0,4]", "n_hash_layers=2",
+                                "n_routed_experts=32"), tp=8)
+    hw = cm.device_hardware("NVIDIA H200", 139.8, 8)
+    full = cm.predict(cm.model_shape(b.model, b.overrides, 4096), b.layout(), b.workload(), hw)
+    p = cm.predict_bench(b, hw)
+    assert full.time["TP collectives"] > 0 and "TP collectives" not in p.time
+    assert p.step_s == pytest.approx(full.step_s - sum(full.time.get(k, 0) for k in cm.COMMUNICATION))
+    assert p.peak_gib == full.peak_gib
+
+
 # --- what the planner refuses -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout,model,reason", [
