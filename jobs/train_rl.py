@@ -6,13 +6,15 @@ Reads the run's resolved config (DIR/config.json): the model and layout as the S
 PRESET_RL_* keys. The trainer starts from the converted checkpoint (the `convert` step), or resumes from the
 run's latest checkpoint; the rollout engine (in this process, a `v4 rl serve` process this job starts with
 V4_ROLLOUT_ENGINE=server, or the launcher's SGLang servers) gets the trainer's weights before the first rollout and
-after every step. An engine of this job's that dies is started again with the current weights, within
-PRESET_MAX_RESTARTS (dsv4/rl/restart.py). Writes:
+after every step. An engine of this job's that dies is started again with the current weights, within what is left
+of the run's PRESET_MAX_RESTARTS (V4_RESTARTS_SPENT: the restarts the run recorded before this job; dsv4/rl/restart.py).
+Writes:
   DIR/metrics.jsonl                    one row per step: reward, mismatch, route agreement, sync, loss, ..., and
                                        the step's time by part (time_rollout_s, _logprob_, _train_, _sync_, _wait_)
   DIR/checkpoints/iter_NNNNNNN/        megatron distributed checkpoints
   DIR/steps/train/nonfinite.json       step, rank and first module of a non-finite loss/gradient
-  DIR/steps/train/rollout_restarts.jsonl   one line per rollout engine lost and restarted: step, phase, cause, seconds
+  DIR/steps/train/rollout_restarts.jsonl   one line per rollout engine lost and restarted: step, phase, cause, seconds,
+                                       samples rolled out again, the job attempt (`v4 runs show` reads them)
   DIR/steps/train/rollout_server.{json,log}  V4_ROLLOUT_ENGINE=server: the `v4 rl serve` process (pid, url, starts) and
                                        its output
 Exit codes: 0 done, 1 failed (also: no learning signal for PRESET_RL_DEAD_STEPS steps), 2 bad configuration,
@@ -20,6 +22,7 @@ Exit codes: 0 done, 1 failed (also: no learning signal for PRESET_RL_DEAD_STEPS 
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,14 +81,20 @@ def train_config(cfg: dict, rl, prompt_len: int):
 def rollout_engine(cfg: dict, tc, rl, ctx=None):
     """-> (engine, restarter or None, the server process this job owns or None). The embedded engine in this process; (V4_ROLLOUT_ENGINE=server) the embedded
     engine behind `v4 rl serve`, a process of its own on rank 0's node that this job starts (and starts again when it
-    dies, within PRESET_MAX_RESTARTS: dsv4/rl/restart.py); or (V4_ROLLOUT_ENGINE=sglang) the servers the rollout-up
-    step started, one client each behind an EngineGroup. Served weights travel by broadcast or disk."""
+    dies, within what is left of the run's PRESET_MAX_RESTARTS: dsv4/rl/restart.py); or (V4_ROLLOUT_ENGINE=sglang)
+    the servers the rollout-up step started, one client each behind an EngineGroup. Served weights travel by
+    broadcast or disk."""
     from dsv4.rl.restart import Restarter
     budget = int(cfg.get("PRESET_MAX_RESTARTS") or 0)
+    # the run's restarts before this job (lost nodes, hangs, engines; across resumes): one budget for the run
+    spent, attempt = (int(os.environ.get(k) or 0) for k in ("V4_RESTARTS_SPENT", "V4_STEP_ATTEMPT"))
     record = ctx.step_dir("train") / "rollout_restarts.jsonl" if ctx is not None else None
+
+    def restarter(make):
+        return Restarter(make, budget, record, log, spent=spent, attempt=attempt)
     if cfg.get("V4_ROLLOUT_ENGINE") == "server":
         server = rollout_server(cfg, tc, ctx)
-        return server.start(), Restarter(server.restart, budget, record, log), server
+        return server.start(), restarter(server.restart), server
     if cfg.get("V4_ROLLOUT_ENGINE", "embedded") == "sglang":
         from dsv4.rl.group import EngineGroup
         from dsv4.rl.http import HTTPEngine
@@ -101,7 +110,7 @@ def rollout_engine(cfg: dict, tc, rl, ctx=None):
     def build():
         return EmbeddedEngine(Transformer(tc.model, init=False).to(tc.device), max_seq_len=tc.seq_len + 1,
                               model_path="trainer", seed=tc.seed)
-    return build(), Restarter(build, budget, record, log), None
+    return build(), restarter(build), None
 
 
 def rollout_server(cfg: dict, tc, ctx):

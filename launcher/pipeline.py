@@ -99,6 +99,8 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
     if resume:
         run.write_json("plan.json", plan.to_json())
     say(f"run {plan.run_id}: {run.dir}")
+    if resume and (line := recov.budget_line()):   # the budget is the run's: what its earlier launches spent is gone
+        say(line)
     resume_cmd = rerun_command(cfg, f"--resume {plan.run_id}" + (" --exclude-bad-nodes" if exclude_bad_nodes else ""),
                                skip_checks=skip_checks, force=force)
     t0 = time.time()
@@ -577,7 +579,7 @@ def _new_job(cfg, run, step: Step, log: Path, jobs):
     if attempts:
         # Ray keeps finished submissions: a resumed step needs a fresh id
         step.job.submission_id = f"{step.job.submission_id}-r{attempts}"
-    recovery.mark_restart(step.job, len(recovery.run_record(run).restarts), attempts)
+    recovery.mark_restart(step.job, len(recovery.run_record(run).restarts), attempts, recovery.spent(run))
     # pgid/host and the outcome fields: an earlier attempt's are not this attempt's
     run.set_step(step.name, "running", submission_id=step.job.submission_id, pgid=None, host=None,
                  job_status=None, exit_code=None, ok=None, stop_requested=None, finished_at=None, hang=None,
@@ -687,9 +689,11 @@ def _summary(cfg, run, plan: Plan, elapsed: float, as_json: bool) -> None:
     for e in summary["left_out"]:
         say(f"left out: {e['ip']} ({e['by']}: {e['why'][:200]})"
             + (f"; standby {e['replaced_by']} took its place" if e["replaced_by"] else ""))
-    if summary["restarts"]:
-        say(f"restarts: {summary['restarts']} ({'; '.join(summary['restart_causes'])}), {summary['steps_lost']} "
-            f"step(s) trained twice; `v4 runs show {run.id}` has each")
+    if summary["restarts"] or summary["engine_restarts"]:
+        eng = (f", {summary['engine_restarts']} rollout engine(s) restarted ({summary['samples_regenerated']} "
+               "sample(s) rolled out again)") if summary["engine_restarts"] else ""
+        say(f"restarts: {summary['restarts'] + summary['engine_restarts']} ({'; '.join(summary['restart_causes'])}), "
+            f"{summary['steps_lost']} step(s) trained twice{eng}; `v4 runs show {run.id}` has each")
     if ray:
         size = "" if ray["processes"] is None else f"; {ray['processes']} processes, {ray['memory_mb']} MB here"
         say(f"Ray stays up for later runs: cluster {ray['cluster']} ({ray['nodes']} node(s)), GCS {ray['gcs']}, "

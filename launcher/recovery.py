@@ -13,15 +13,18 @@ A run calls in here at three points:
     dashboard and the jobs are gone with it -- but an error that prints the resume command;
   - a job step that did not succeed: `Recovery.restart` asks what ended it -- the watch's verdict, the watchdog's
     (HUNG), or for a job that failed on its own, `cluster.status` finding a node unreachable, DEAD or its raylet gone
-    -- and, for a lost node or a hang, within PRESET_MAX_RESTARTS restarts per `v4 run`, leaves the lost nodes out
-    (a standby in their place), starts the standby's Ray, rewrites config.json and plan.json, records the restart,
-    and hands back the step to run again: from its last complete checkpoint (dsv4/megatron/train.py; the metrics
-    rows past it are superseded, jobs/common.py). A job that fails with every node healthy is not restarted: the
-    same code on the same data fails the same way.
+    -- and, for a lost node or a hang, within PRESET_MAX_RESTARTS restarts over the run's life (`spent`: every
+    restart its directory records, across `--resume`, the RL job's rollout-engine restarts among them), leaves the
+    lost nodes out (a standby in their place), starts the standby's Ray, rewrites config.json and plan.json, records
+    the restart, and hands back the step to run again: from its last complete checkpoint (dsv4/megatron/train.py;
+    the metrics rows past it are superseded, jobs/common.py). A job that fails with every node healthy is not
+    restarted: the same code on the same data fails the same way.
 What a run left out and why, its standbys and its restarts are recorded in run.json ("recovery"; `v4 runs show`),
 and the nodes left out also in V4_WORK/.v4-quarantine/<cluster>.json, which `v4 cluster status` shows and a later
-preflight that passes on the node clears. A `--resume` applies the run's own record again: its world stays what it
-was when it stopped.
+preflight that passes on the node clears. A rollout engine the RL job restarted by itself (dsv4/rl/restart.py) is a
+line of RUN/steps/train/rollout_restarts.jsonl, written by the job as it happens: `engine_restarts` reads them back
+beside run.json's. A `--resume` applies the run's own record again: its world stays what it was when it stopped,
+and its restarts stay spent.
 """
 from __future__ import annotations
 
@@ -96,6 +99,50 @@ class RunRecovery(BaseModel):
     restarts: list[Restart] = []
 
 
+class EngineRestart(BaseModel):
+    """A rollout engine that an RL job restarted (one line of RUN/steps/<step>/rollout_restarts.jsonl, written by
+    dsv4/rl/restart.py): the job noticed and recovered it, so it is in the job's record, not in run.json's."""
+    model_config = ConfigDict(extra="ignore")
+    step: int                         # the training step it was lost in
+    phase: str                        # rollout | sync
+    cause: str
+    seconds: float                    # from the loss to a healthy engine with the current weights
+    restart: int                      # its job's first is 1
+    at: float
+    samples: int = 0                  # samples rolled out again (the step's batch after a loss in its rollout)
+    attempt: int = 0                  # which of the step's jobs (V4_STEP_ATTEMPT)
+    in_step: str = ""                 # the pipeline step (the file's directory), set when read
+    job: str = ""                     # that job's id, from the step's status, where known
+
+
+ENGINE_RESTARTS = "rollout_restarts.jsonl"
+
+
+def engine_restarts(run) -> list[EngineRestart]:
+    """The rollout engines the run's jobs restarted, oldest first. A line that does not parse (a job killed while it
+    wrote) is skipped: the job's metrics row of that step counts it too."""
+    out = []
+    for path in sorted((run.dir / "steps").glob(f"*/{ENGINE_RESTARTS}")):
+        ids = run.step_status(path.parent.name).get("submission_ids") or []
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for line in lines:
+            try:
+                e = EngineRestart.model_validate_json(line)
+            except ValidationError:
+                continue
+            e.in_step, e.job = path.parent.name, ids[e.attempt] if 0 <= e.attempt < len(ids) else ""
+            out.append(e)
+    return sorted(out, key=lambda e: e.at)
+
+
+def spent(run) -> int:
+    """The restarts the run has recorded, of every kind and over all its launches: what PRESET_MAX_RESTARTS bounds."""
+    return len(run_record(run).restarts) + len(engine_restarts(run))
+
+
 class Quarantine(BaseModel):
     """V4_WORK/.v4-quarantine/<cluster>.json: the nodes of a cluster that runs left out, by address."""
     model_config = ConfigDict(extra="forbid")
@@ -128,7 +175,8 @@ def quarantined(cfg) -> dict[str, LeftOut]:
         return {}
 
 
-def _quarantine(cfg, entries: list[LeftOut]) -> None:
+def quarantine(cfg, entries: list[LeftOut]) -> None:
+    """Add `entries` to the cluster's record of the nodes left out (`v4 cluster status` shows it)."""
     q = quarantined(cfg)
     q.update({e.ip: e for e in entries})
     atomic_write(quarantine_path(cfg), Quarantine(nodes=q).model_dump_json(indent=2))
@@ -378,12 +426,16 @@ class Again:
 
 class Recovery:
     """One `v4 run`'s recovery: the configuration as resolved from its files (`base`), the nodes this run does without
-    and the standbys it took (from run.json on a resume), the restarts left in its budget."""
+    and the standbys it took (from run.json on a resume), the restarts left in its budget. The budget is the run's,
+    not the launch's: a `--resume` finds the restarts its earlier launches (and its RL jobs' engines) spent, so a
+    fault that comes back on every resume is not restarted without end; `--set PRESET_MAX_RESTARTS` on the resume
+    raises it."""
 
     def __init__(self, base, run, skip_checks=(), progress: Progress = _stderr):
         self.base, self.run, self.skip_checks, self.say = base, run, tuple(skip_checks), progress
         self.budget = int(base["PRESET_MAX_RESTARTS"])
-        self.used = 0                         # restarts in this launch
+        self.used = 0                         # restarts in this launch (spent() counts the run's)
+        self.t0 = time.time()                 # this launch's start: engine restarts since are this launch's
         self.note = ""                        # why the last failure was not restarted ("": it was not a candidate)
         self.plan = None                      # the plan rebuilt for the latest configuration
 
@@ -474,7 +526,7 @@ class Recovery:
                                                                   if e.replaced_by else ""))
         self._stop_ray_on(cfg, [e.ip for e in leaving])
         _save_record(self.run, rec)
-        _quarantine(cfg, leaving)
+        quarantine(cfg, leaving)
         self.say(f"[preflight] going on with {len(new.nodes)} node(s): {' '.join(new.nodes)} "
                  f"(world {world(cfg)} -> {world(new)}, DP {new['DP']})")
         return new
@@ -533,10 +585,8 @@ class Recovery:
             self.note = f"the head {cfg.nodes[0]} is lost ({lost.why[cfg.nodes[0]]}): no restart without it"
             return None
         detail = lost.message if lost is not None else (outcome.hang or {}).get("message", outcome.message)
-        if self.used >= self.budget:
-            self.note = (f"no restart left: PRESET_MAX_RESTARTS={self.budget} "
-                         f"({self.base.origin('PRESET_MAX_RESTARTS').where}) "
-                         + (f"used ({self.used})" if self.used else "forbids it"))
+        if spent(self.run) >= self.budget:
+            self.note = self.spent_note()
             self.say(f"[recovery] {cause.replace('_', ' ')}: {detail}; {self.note}")
             return None
         t0 = time.time()
@@ -554,7 +604,7 @@ class Recovery:
                 self.say(f"[recovery] {lost.message}; no restart: {e.message}")
                 return None
             rec = new_rec
-            _quarantine(cfg, leaving)
+            quarantine(cfg, leaving)
             if standby:
                 from launcher import cluster
                 self.say(f"[recovery] bringing up Ray on standby {', '.join(standby)}")
@@ -577,12 +627,46 @@ class Recovery:
         again = f"step {last} runs" if r.steps_lost == 1 else f"steps {from_step + 1}-{last} run"
         lost_steps = (f"{again} again ({r.steps_lost} lost; PRESET_SAVE_INTERVAL={cfg['PRESET_SAVE_INTERVAL']})"
                       if r.steps_lost else "no step lost")
-        self.say(f"[recovery] restart {n} ({self.used} of PRESET_MAX_RESTARTS={self.budget} in this launch): "
-                 f"{cause.replace('_', ' ')}: {detail[:300]}")
+        total = spent(self.run)
+        before = total - self._this_launch()
+        self.say(f"[recovery] restart {n} ({total} of PRESET_MAX_RESTARTS={self.budget} for the run"
+                 + (f", {before} before this launch" if before else "") + f"): {cause.replace('_', ' ')}: "
+                 f"{detail[:300]}")
         self.say(f"[recovery] {step.name} resumes from "
                  + (f"the checkpoint of step {from_step}" if from_step else "its start (no checkpoint yet)")
                  + f"; {lost_steps}{change}")
         return Again(new, new_step, r)
+
+    def spent_note(self) -> str:
+        """Why no restart is left: the budget, where it was set, what the run spent it on, how to raise it."""
+        where = self.base.origin("PRESET_MAX_RESTARTS").where
+        if not self.budget:
+            return f"no restart left: PRESET_MAX_RESTARTS=0 ({where}) forbids it"
+        return f"no restart left: PRESET_MAX_RESTARTS={self.budget} ({where}) is spent: {self._spent_words()}"
+
+    def _spent_words(self) -> str:
+        rec, eng = run_record(self.run), engine_restarts(self.run)
+        n = len(rec.restarts) + len(eng)
+        kinds = [f"{sum(r.cause == c for r in rec.restarts)} {c.replace('_', ' ')}" for c in ("node_lost", "hung")
+                 if any(r.cause == c for r in rec.restarts)] + ([f"{len(eng)} rollout engine"] if eng else [])
+        here = self._this_launch()
+        when = "" if here == n else "all before this launch" if not here else f"{n - here} before this launch"
+        return (f"run {self.run.id} has restarted {n} time(s) ({', '.join(kinds)}" + (f"; {when}" if when else "")
+                + f"); to allow more, resume it with --set PRESET_MAX_RESTARTS={n + 1} (or more)")
+
+    def _this_launch(self) -> int:
+        return self.used + sum(e.at >= self.t0 for e in engine_restarts(self.run))
+
+    def budget_line(self) -> str:
+        """What a resume says of the restarts its run has left ("" for a run that never restarted)."""
+        n = spent(self.run)
+        if not n:
+            return ""
+        if n < self.budget:
+            return (f"resume: run {self.run.id} has restarted {n} time(s); {self.budget - n} of PRESET_MAX_RESTARTS="
+                    f"{self.budget} left")
+        return (f"resume: PRESET_MAX_RESTARTS={self.budget} ({self.base.origin('PRESET_MAX_RESTARTS').where}) is "
+                f"spent, so a lost node, a hung step or a lost rollout engine now ends the run: {self._spent_words()}")
 
     def started(self, sid: str) -> None:
         """The job that ran after the latest restart, into its record."""
@@ -627,11 +711,14 @@ class Recovery:
         return next(s for s in self.plan.steps if s.name == step.name)
 
 
-def mark_restart(job, n_restarts: int, attempt: int) -> None:
-    """What a job learns of its place in the run: V4_RESTARTS (the run's restarts so far; its metrics rows carry
-    it) and V4_STEP_ATTEMPT (this step's earlier jobs: a fault planted `@once` fires in the first only)."""
+def mark_restart(job, n_restarts: int, attempt: int, n_spent: int = 0) -> None:
+    """What a job learns of its place in the run: V4_RESTARTS (the run's restarts of a step so far; its metrics rows
+    carry it), V4_STEP_ATTEMPT (this step's earlier jobs: a fault planted `@once` fires in the first only) and
+    V4_RESTARTS_SPENT (every restart the run recorded, engines' too: the RL job restarts engines only within what is
+    left of PRESET_MAX_RESTARTS)."""
     env = job.runtime_env.setdefault("env_vars", {})
     env["V4_STEP_ATTEMPT"] = str(attempt)
+    env["V4_RESTARTS_SPENT"] = str(n_spent)
     if n_restarts:
         env["V4_RESTARTS"] = str(n_restarts)
     else:
@@ -639,9 +726,12 @@ def mark_restart(job, n_restarts: int, attempt: int) -> None:
 
 
 def summary(run) -> dict:
-    """What summary.json and the PASSED line say of the run's recovery."""
-    rec = run_record(run)
+    """What summary.json and the PASSED line say of the run's recovery: `restarts` counts the steps' restarts (lost
+    nodes, hangs), `engine_restarts` the rollout engines the RL job restarted (each also in `restart_causes`)."""
+    rec, eng = run_record(run), engine_restarts(run)
     return {"left_out": [{"ip": e.ip, "by": e.by, "why": e.why, "replaced_by": e.replaced_by} for e in rec.left_out],
             "restarts": len(rec.restarts), "steps_lost": sum(r.steps_lost for r in rec.restarts),
-            "restart_causes": [f"{r.cause}: {', '.join(r.nodes) or r.detail[:80]}" for r in rec.restarts]}
+            "engine_restarts": len(eng), "samples_regenerated": sum(e.samples for e in eng),
+            "restart_causes": [f"{r.cause}: {', '.join(r.nodes) or r.detail[:80]}" for r in rec.restarts]
+            + [f"rollout_engine: step {e.step} {e.phase}: {e.cause[:80]}" for e in eng]}
 

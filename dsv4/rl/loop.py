@@ -415,10 +415,11 @@ def run_grpo(tc: TrainConfig, rl: RLConfig, task, reward_fn: Callable, engine, o
                 if restarter is None:
                     raise EngineGone(f"step {step}: the rollout engine was lost during {phase} ({type(e).__name__}: "
                                      f"{e}); this job restarts no engine") from e
-                engine = restarter.restart(e, step, phase, lambda eng: push_weights(eng, synced[0], cfg, rl, synced[1]))
+                again = rl.prompts_per_step * rl.group_size if phase == "rollout" else 0
+                engine = restarter.restart(e, step, phase, lambda eng: push_weights(eng, synced[0], cfg, rl, synced[1]),
+                                           samples=again)
                 lost["restarts"] += 1
-                if phase == "rollout":
-                    lost["samples"] += rl.prompts_per_step * rl.group_size
+                lost["samples"] += again
 
     if lead:
         rep = on_engine("sync", start, lambda eng: push_weights(eng, weights, cfg, rl, str(start)))

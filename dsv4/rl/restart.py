@@ -8,8 +8,11 @@ answer, not a loss); for an engine in the trainer's process, torch's out-of-memo
 engine (`make_engine`: for a `v4 rl serve` server, `ServerProcess.restart`, the same command on the same node and
 port; in process, a fresh engine), the loop pushes the weights it last synced by the run's sync method and repeats
 the step's whole rollout from the same prompts and sampling seeds (so the step is what it would have been), or the
-weight sync it was in. At most `budget` restarts a job (PRESET_MAX_RESTARTS); each is one JSON line in `record`
-(step, phase, cause, seconds to a healthy engine).
+weight sync it was in. PRESET_MAX_RESTARTS (`budget`) bounds the run's restarts of every kind over its life: the
+launcher passes the restarts the run recorded before this job (`spent`: lost nodes, hangs, earlier engines; across
+`--resume`), and this job restarts engines while `spent` + its own stay under it. Each restart is one JSON line in
+`record` (step, phase, cause, seconds to a healthy engine, samples rolled out again, the step's job attempt): the run's
+registry reads them back (`v4 runs show`, launcher/recovery.py `engine_restarts`), and the next job counts them.
 """
 from __future__ import annotations
 
@@ -52,32 +55,38 @@ class RestartRecord:
     seconds: float          # from the loss to a healthy engine with the current weights
     restart: int            # 1 for the job's first
     at: float               # unix time of the loss
+    samples: int = 0        # samples rolled out again: the step's batch for a loss in its rollout, 0 in a sync
+    attempt: int = 0        # the step's job it happened in (V4_STEP_ATTEMPT: 0 the first, 1 the first restarted, ...)
 
 
 class Restarter:
-    """Restarts the rollout engine for the RL loop, within `budget` restarts; see the module docstring."""
+    """Restarts the rollout engine for the RL loop while the run's restarts (`spent` before this job, and this job's)
+    stay under `budget`; see the module docstring."""
 
     def __init__(self, make_engine: Callable[[], object], budget: int, record: Path | None = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, spent: int = 0, attempt: int = 0):
         self.make_engine, self.budget, self.record, self.log = make_engine, int(budget), record, log
+        self.spent, self.attempt = int(spent), int(attempt)
         self.used = 0
         self.records: list[RestartRecord] = []
 
-    def restart(self, exc: BaseException, step: int, phase: str, resync: Callable[[object], None]):
-        """A new engine after `exc`, with the current weights (`resync(engine)` pushes them). Raises EngineGone when
-        the budget is spent."""
+    def restart(self, exc: BaseException, step: int, phase: str, resync: Callable[[object], None], samples: int = 0):
+        """A new engine after `exc`, with the current weights (`resync(engine)` pushes them); `samples`: what the
+        loop rolls out again for it. Raises EngineGone when the run's budget is spent."""
         cause = f"{type(exc).__name__}: {exc}"
-        if self.used >= self.budget:
-            raise EngineGone(f"step {step}: the rollout engine was lost during {phase} ({cause}) and no restart is left "
-                             f"(PRESET_MAX_RESTARTS={self.budget}, {self.used} used): raise it, or find why the engine "
-                             f"dies (its log)") from exc
+        total = self.spent + self.used
+        if total >= self.budget:
+            raise EngineGone(f"step {step}: the rollout engine was lost during {phase} ({cause}) and no restart is "
+                             f"left (PRESET_MAX_RESTARTS={self.budget}: the run has restarted {total} time(s), "
+                             f"{self.used} in this job): find why the engine dies (its log), or resume the run with a "
+                             f"higher --set PRESET_MAX_RESTARTS") from exc
         self.used += 1
         at, t0 = time.time(), time.perf_counter()
         self.log(f"warning: step {step}: the rollout engine was lost during {phase} ({cause}); restarting it "
-                 f"({self.used} of PRESET_MAX_RESTARTS={self.budget})")
+                 f"(the run's restart {total + 1} of PRESET_MAX_RESTARTS={self.budget})")
         engine = self.make_engine()
         resync(engine)
-        rec = RestartRecord(step, phase, cause, time.perf_counter() - t0, self.used, at)
+        rec = RestartRecord(step, phase, cause, time.perf_counter() - t0, self.used, at, samples, self.attempt)
         self.records.append(rec)
         if self.record is not None:
             self.record.parent.mkdir(parents=True, exist_ok=True)

@@ -45,27 +45,33 @@ def ls(selection, as_json):
 @runs.command("show")
 @config_options()
 @click.argument("run_ref", metavar="RUN")
-@click.option("--json", "as_json", is_flag=True, help="run.json, steps, gates and summary as one JSON object")
+@click.option("--json", "as_json", is_flag=True, help="run.json, steps, gates, summary and the recovery record (its "
+              "restarts, the rollout engine's, the budget left) as one JSON object")
 def show(selection, run_ref, as_json):
-    """One run: status, restarts and nodes left out, steps (with job ids), gates, summary. RUN: id, unique prefix, or
-    `latest`."""
+    """One run: status, restarts (a step's, and the RL rollout engine's) of its PRESET_MAX_RESTARTS and nodes left
+    out, steps (with job ids), gates, summary. RUN: id, unique prefix, or `latest`."""
     from launcher import recovery, registry
     cfg = load_config(selection)
     run = registry.find_run(cfg, run_ref)
     info, steps = run.info(), run.steps()
     gates, summary = run.read_json("gates.json"), run.read_json("summary.json")
-    rec = recovery.run_record(run)
+    rec, eng = recovery.run_record(run), recovery.engine_restarts(run)
+    budget = ((run.read_json("config.json") or {}).get("values") or {}).get("PRESET_MAX_RESTARTS")
     if as_json:
+        spent = len(rec.restarts) + len(eng)
         click.echo(json.dumps({"schema": 1, "run": {**info, "effective_status": registry.effective_status(info)},
                                "dir": str(run.dir), "steps": steps, "gates": gates, "summary": summary,
-                               "recovery": rec.model_dump()}, indent=2))
+                               "recovery": {**rec.model_dump(), "engine_restarts": [e.model_dump() for e in eng],
+                                            "max_restarts": budget, "restarts_spent": spent,
+                                            "restarts_left": None if budget is None else max(0, budget - spent)}},
+                              indent=2))
         return
     click.echo(f"run {run.id}: {registry.effective_status(info)}   ({run.dir})")
     click.echo(f"  created {_when(info.get('created_at'))}, finished {_when(info.get('finished_at'))}"
                + (f", exit code {info['exit_code']}" if info.get("exit_code") is not None else ""))
     if info.get("error"):
         click.echo(f"  error: {info['error']}")
-    for line in _recovery_lines(run, rec):
+    for line in _recovery_lines(rec, eng, budget):
         click.echo(line)
     for s in steps:
         took = (s.get("finished_at") or time.time()) - s["started_at"] if s.get("started_at") else None
@@ -79,33 +85,52 @@ def show(selection, run_ref, as_json):
         click.echo(f"  tensorboard --logdir {run.dir / 'tb'}")
 
 
-def _recovery_lines(run, rec) -> list[str]:
-    """The run's restarts at a glance (count, each cause, when, steps lost) and the nodes it went on without."""
+def _recovery_lines(rec, eng, budget) -> list[str]:
+    """The run's restarts at a glance -- how many of its PRESET_MAX_RESTARTS (the run's, over all its launches), the
+    steps trained twice, the samples its RL jobs rolled out again; then each in time order: a step's restart (cause,
+    when, from which checkpoint, the jobs) or a rollout engine the RL job restarted (the training step, the phase, the
+    cause, how long until it was back) -- and the nodes it went on without."""
+    from launcher.recovery import EngineRestart
     out = []
-    if rec.restarts:
-        budget = ((run.read_json("config.json") or {}).get("values") or {}).get("PRESET_MAX_RESTARTS")
-        lost = sum(r.steps_lost for r in rec.restarts)
-        of = f" (PRESET_MAX_RESTARTS={budget} a launch)" if budget is not None else ""
-        out.append(f"  restarts: {len(rec.restarts)}{of}, {lost} step(s) trained twice")
-        for r in rec.restarts:
-            if r.cause == "node_lost":
-                what = f"node lost: {', '.join(r.nodes)}"
-                after = (f", noticed {r.noticed_after_s:.0f} s after the GCS declared it dead"
-                         if r.noticed_after_s is not None else "")
-            else:
-                what = f"hung: {r.detail.split(';')[0][:160]}"
-                after = (f", after {r.noticed_after_s:.0f} s without a heartbeat" if r.noticed_after_s is not None
-                         else "")
-            where = (f"; world {r.world_before} -> {r.world_after}" + (f", standby {', '.join(r.standby)}" if r.standby
-                                                                       else "")) if r.cause == "node_lost" else ""
-            out.append(f"    #{r.n} {_when(r.at)}  {r.step}  {what}{after}")
-            out.append(f"       resumed from " + (f"step {r.from_step}" if r.from_step else "the start")
-                       + f" ({r.steps_lost} step(s) lost){where}; job {r.job}"
-                       + (f" -> {r.next_job}" if r.next_job else "") + (f"; stacks {r.stacks}" if r.stacks else ""))
+    if rec.restarts or eng:
+        n = len(rec.restarts) + len(eng)
+        of = f" of PRESET_MAX_RESTARTS={budget} for the run ({max(0, budget - n)} left)" if budget is not None else ""
+        again = (f", {len(eng)} of the rollout engine ({sum(e.samples for e in eng)} sample(s) rolled out again)"
+                 if eng else "")
+        out.append(f"  restarts: {n}{of}, {sum(r.steps_lost for r in rec.restarts)} step(s) trained twice{again}")
+        for r in sorted([*rec.restarts, *eng], key=lambda r: r.at):
+            out += _engine_restart_lines(r) if isinstance(r, EngineRestart) else _restart_lines(r)
     for e in rec.left_out:
         out.append(f"  left out: {e.ip} ({e.by}" + (f" in {e.step}" if e.step else "") + f", {_when(e.at)}): "
                    f"{e.why[:200]}" + (f"; standby {e.replaced_by} in its place" if e.replaced_by else ""))
     return out
+
+
+def _restart_lines(r) -> list[str]:
+    """A step's restart (launcher/recovery.py Restart): two lines."""
+    if r.cause == "node_lost":
+        what = f"node lost: {', '.join(r.nodes)}"
+        after = (f", noticed {r.noticed_after_s:.0f} s after the GCS declared it dead"
+                 if r.noticed_after_s is not None else "")
+    else:
+        what = f"hung: {r.detail.split(';')[0][:160]}"
+        after = f", after {r.noticed_after_s:.0f} s without a heartbeat" if r.noticed_after_s is not None else ""
+    where = (f"; world {r.world_before} -> {r.world_after}" + (f", standby {', '.join(r.standby)}" if r.standby
+                                                               else "")) if r.cause == "node_lost" else ""
+    return [f"    #{r.n} {_when(r.at)}  {r.step}  {what}{after}",
+            f"       resumed from " + (f"step {r.from_step}" if r.from_step else "the start")
+            + f" ({r.steps_lost} step(s) lost){where}; job {r.job}" + (f" -> {r.next_job}" if r.next_job else "")
+            + (f"; stacks {r.stacks}" if r.stacks else "")]
+
+
+def _engine_restart_lines(e) -> list[str]:
+    """A rollout engine the RL job restarted (launcher/recovery.py EngineRestart): two lines."""
+    again = (f"{e.samples} sample(s) rolled out again" if e.phase == "rollout" else
+             "the step's weights synced again (no sample lost)")
+    return [f"    engine {_when(e.at)}  {e.in_step} step {e.step}  rollout engine lost during {e.phase}: "
+            f"{e.cause[:160]}",
+            f"       back in {e.seconds:.1f} s with the current weights; {again}"
+            + (f"; job {e.job}" if e.job else "")]
 
 
 # Steps whose job may be alive: running, or interrupted (Ctrl-C leaves a Ray job running; --resume follows it).

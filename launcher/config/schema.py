@@ -264,8 +264,9 @@ KEYS: list[Key] = [
        "fault injection for tests: RANK:STEP[:PHASE][@once] makes that rank sleep for good before the loss "
        "all-reduce (or PHASE, dsv4/heartbeat.py) of that step; @once: in the step's first job only"),
     _k("PRESET_MAX_RESTARTS", "int", 2, "preset",
-       "restarts of a step without a person, per `v4 run`: after a node is lost mid-step (on the remaining nodes or a "
-       "standby) or a hang (PRESET_HANG_TIMEOUT), from the last complete checkpoint (0: none; docs/resilience.md)"),
+       "restarts without a person over the run's life (a --resume goes on counting): of a step after a node is lost "
+       "mid-step (on the remaining nodes or a standby) or a hang (PRESET_HANG_TIMEOUT), from the last complete "
+       "checkpoint, and of an RL rollout engine that died (0: none; docs/resilience.md)"),
     # --- RL (PRESET_MODE=rl; docs/rl.md) ----------------------------------------------------------
     _k("PRESET_RL_TASK", "str", "echo", "preset", "prompts and reward: echo, copy, math (dsv4/rl/tasks.py)"),
     _k("PRESET_RL_REWARD", "str", "", "preset",

@@ -246,7 +246,7 @@ def test_lost_nodes_resume_on_a_standby_then_on_the_rest(netns_cluster, made, po
     assert summary["restarts"] == 2 and summary["steps_lost"] == r1["steps_lost"] + r2["steps_lost"]
     assert "restarts: 2 (node_lost: " in text
     show = v4(path, "runs", "show", run.name).stdout
-    assert f"restarts: 2 (PRESET_MAX_RESTARTS=2 a launch)" in show, show
+    assert "restarts: 2 of PRESET_MAX_RESTARTS=2 for the run (0 left)" in show, show
     assert f"train  node lost: {w1.ip}" in show and f"world 2 -> 2, standby {w2.ip}" in show
     assert f"train  node lost: {w2.ip}" in show and "world 2 -> 1" in show
     assert f"left out: {w1.ip} (lost in train" in show and f"standby {w2.ip} in its place" in show

@@ -105,7 +105,7 @@ def test_the_run_record_is_applied_again_on_resume(tmp_path):
 def test_the_quarantine_record_and_readmission(tmp_path):
     cfg = config(tmp_path)
     assert recovery.quarantined(cfg) == {}
-    recovery._quarantine(cfg, [recovery.LeftOut(ip=NODES[1], why="disk: 0.1 GB free", by="preflight", at=2.0,
+    recovery.quarantine(cfg, [recovery.LeftOut(ip=NODES[1], why="disk: 0.1 GB free", by="preflight", at=2.0,
                                                 run="R", checks=["disk"])])
     assert recovery.quarantine_path(cfg) == tmp_path / "work" / ".v4-quarantine" / "three.json"
     assert recovery.quarantined(cfg)[NODES[1]].checks == ["disk"]
@@ -172,11 +172,22 @@ def test_runs_show_tells_the_restarts_at_a_glance(tmp_path, capsys):
                                    from_step=6, last_step=6, steps_lost=0, world_before=2, world_after=2,
                                    nodes_after=list(NODES[:2]), stacks=str(run.dir / "restarts/2/hang"))])
     run.update(recovery=rec.model_dump())
+    # the RL job's rollout engine lost in step 7's rollout, in the step's second job (its record, as the job writes it)
+    from dsv4.rl.restart import Restarter
+    run.set_step("train", "failed", submission_id=f"{run.id}-train")
+    run.set_step("train", "running", submission_id=f"{run.id}-train-r1")
+    record = run.dir / "steps" / "train" / "rollout_restarts.jsonl"
+    Restarter(lambda: "engine", 5, record, log=lambda m: None, spent=2, attempt=1).restart(
+        ConnectionError("cannot reach the engine"), 7, "rollout", lambda eng: None, samples=128)
     with pytest.raises(SystemExit) as e:
         main(["runs", "show", run.id, "--cluster", cfg.selection.cluster, "--hw", "cpu"])
     out = capsys.readouterr().out
     assert e.value.code in (0, None), out
-    assert "restarts: 2 (PRESET_MAX_RESTARTS=2 a launch), 1 step(s) trained twice" in out
+    assert ("restarts: 3 of PRESET_MAX_RESTARTS=2 for the run (0 left), 1 step(s) trained twice, 1 of the rollout "
+            "engine (128 sample(s) rolled out again)") in out
+    assert "train step 7  rollout engine lost during rollout: ConnectionError: cannot reach the engine" in out
+    assert f"with the current weights; 128 sample(s) rolled out again; job {run.id}-train-r1" in out
+    assert out.index("#2 ") < out.index("  engine ")                      # in time order: the engine's is the latest
     assert f"#1 2001-09-09 " in out and f"train  node lost: {NODES[2]}, noticed 2 s after the GCS declared it" in out
     assert f"resumed from step 4 (1 step(s) lost); world 3 -> 2; job {run.id}-train -> {run.id}-train-r1" in out
     assert "#2 " in out and "hung: rank 1 did not arrive, after 12 s without a heartbeat" in out
@@ -184,8 +195,12 @@ def test_runs_show_tells_the_restarts_at_a_glance(tmp_path, capsys):
     assert f"left out: {NODES[2]} (lost in train, " in out
     with pytest.raises(SystemExit):
         main(["runs", "show", run.id, "--cluster", cfg.selection.cluster, "--hw", "cpu", "--json"])
-    shown = json.loads(capsys.readouterr().out)
-    assert [r["cause"] for r in shown["recovery"]["restarts"]] == ["node_lost", "hung"]
+    shown = json.loads(capsys.readouterr().out)["recovery"]
+    assert [r["cause"] for r in shown["restarts"]] == ["node_lost", "hung"]
+    [engine] = shown["engine_restarts"]
+    assert (engine["step"], engine["phase"], engine["samples"], engine["job"]) == (7, "rollout", 128,
+                                                                                 f"{run.id}-train-r1")
+    assert (shown["max_restarts"], shown["restarts_spent"], shown["restarts_left"]) == (2, 3, 0)
 
 
 def test_a_resume_may_change_the_restart_budget(tmp_path):
@@ -212,3 +227,43 @@ def test_the_gcs_node_table_judged(monkeypatch):
     assert lost.why == {NODES[2]: "DEAD in the Ray GCS (health check failed)",
                         "10.9.0.9": "not in the Ray GCS's node table"}
     assert 1.5 <= lost.after_s < 10                                     # its latest death, not the one before
+
+
+def test_the_restart_budget_is_the_runs_over_its_launches(tmp_path):
+    """A resume finds what the run's earlier launches spent -- a step's restarts in run.json and the rollout engines
+    its RL job restarted -- and restarts nothing more once PRESET_MAX_RESTARTS is spent, saying how to raise it; a
+    resume with a higher budget has the difference. Each job learns the spent count (the RL job's engine budget)."""
+    from types import SimpleNamespace
+
+    from dsv4.rl.restart import EngineGone, Restarter
+    from launcher.plan import JobSpec
+    cfg = config(tmp_path)
+    run = registry.create_run(cfg)
+    rec = recovery.RunRecovery(restarts=[recovery.Restart(
+        n=1, step="train", cause="hung", detail="rank 1 did not arrive", at=1e9, job=f"{run.id}-train",
+        job_elapsed_s=30.0, from_step=2, last_step=2, steps_lost=0, world_before=3, world_after=3,
+        nodes_after=list(NODES))])
+    run.update(recovery=rec.model_dump())
+    record = run.dir / "steps" / "train" / "rollout_restarts.jsonl"
+    Restarter(lambda: "engine", 2, record, log=lambda m: None, spent=1).restart(
+        ConnectionError("refused"), 3, "sync", lambda eng: None)
+    assert recovery.spent(run) == 2
+    with pytest.raises(EngineGone, match=r"no restart is left \(PRESET_MAX_RESTARTS=2: the run has restarted 2 "):
+        Restarter(lambda: "engine", 2, record, log=lambda m: None, spent=2).restart(
+            ConnectionError("refused"), 4, "rollout", lambda eng: None)
+
+    again = recovery.Recovery(cfg, run, progress=lambda m: None)             # a later launch: --resume
+    hung = SimpleNamespace(hang={"message": "rank 0 did not arrive", "stalled_s": 12.0}, lost=None, status="HUNG",
+                           message="", submission_id=f"{run.id}-train-r1", elapsed_s=20.0)
+    assert again.restart(cfg, SimpleNamespace(name="train"), hung) is None
+    assert again.note.startswith("no restart left: PRESET_MAX_RESTARTS=2 (default) is spent: run "
+                                 f"{run.id} has restarted 2 time(s) (1 hung, 1 rollout engine; all before this "
+                                 "launch); to allow more, resume it with --set PRESET_MAX_RESTARTS=3"), again.note
+    assert again.budget_line().startswith("resume: PRESET_MAX_RESTARTS=2 (default) is spent, so a lost node")
+    assert len(recovery.run_record(run).restarts) == 1
+    more = recovery.Recovery(config(tmp_path, "PRESET_MAX_RESTARTS=3"), run)
+    assert more.budget_line() == f"resume: run {run.id} has restarted 2 time(s); 1 of PRESET_MAX_RESTARTS=3 left"
+    job = JobSpec(submission_id="j", entrypoint="true", runtime_env={}, entrypoint_num_cpus=0, entrypoint_num_gpus=0,
+                  timeout_s=1, submit="")
+    recovery.mark_restart(job, 1, 2, recovery.spent(run))
+    assert job.runtime_env["env_vars"] == {"V4_STEP_ATTEMPT": "2", "V4_RESTARTS_SPENT": "2", "V4_RESTARTS": "1"}

@@ -33,7 +33,7 @@ def test_a_hung_step_is_restarted_from_its_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr[-5000:]
     run = next((tmp_path / "runs").glob("stageA-*"))
     assert "rank 1 did not arrive" in r.stderr
-    assert "[recovery] restart 1 (1 of PRESET_MAX_RESTARTS=1 in this launch): hung: rank 1 did not arrive" in r.stderr
+    assert "[recovery] restart 1 (1 of PRESET_MAX_RESTARTS=1 for the run): hung: rank 1 did not arrive" in r.stderr
     assert "[recovery] train resumes from the checkpoint of step 2; no step lost" in r.stderr
     rec = json.loads((run / "run.json").read_text())["recovery"]
     [restart] = rec["restarts"]
@@ -51,7 +51,7 @@ def test_a_hung_step_is_restarted_from_its_checkpoint(tmp_path):
     assert [x.get("restarts") for x in rows] == [None, None, 1, 1, 1, 1]       # steps 3-6 ran in the second job
     assert json.loads((run / "summary.json").read_text())["restarts"] == 1
     show = v4("runs", "show", run.name, *flags).stdout
-    assert "restarts: 1 (PRESET_MAX_RESTARTS=1 a launch), 0 step(s) trained twice" in show
+    assert "restarts: 1 of PRESET_MAX_RESTARTS=1 for the run (0 left), 0 step(s) trained twice" in show
     assert "train  hung: rank 1 did not arrive" in show and f"stacks {kept}" in show, show
     print(f"hang -> restart: the run passed in {elapsed:.0f} s; the restart took {restart['restart_s']} s from the "
           f"verdict to the new job ({restart['noticed_after_s']:.1f} s without a heartbeat)")

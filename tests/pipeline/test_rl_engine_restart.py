@@ -1,8 +1,8 @@
 """A rollout engine killed mid-run, end to end: `v4 run --preset rl_smoke` on CPU as a Ray job on a local Ray cluster
 (ports of its own), the engine a `v4 rl serve` process beside rank 0 (V4_ROLLOUT_ENGINE=server). Once step 2's row
 is in metrics.jsonl the test SIGKILLs the server. The job must start it again, push it the current weights, roll the
-lost step out again and finish, learning as before. (Without a restart the kill fails the job naming the lost engine:
-tests/rl/test_engine_restart.py, in seconds.)"""
+lost step out again and finish, learning as before, and the run's registry tell the restart (`v4 runs show`). (Without
+a restart the kill fails the job naming the lost engine: tests/rl/test_engine_restart.py, in seconds.)"""
 from __future__ import annotations
 
 import json
@@ -94,7 +94,7 @@ def test_a_killed_rollout_server_is_restarted_and_the_run_goes_on(work):
     restarts = [json.loads(line) for line in (run / "steps/train/rollout_restarts.jsonl").read_text().splitlines()]
     assert len(restarts) == 1 and restarts[0]["step"] == 3, restarts
     rec = restarts[0]
-    assert "cannot reach the engine" in rec["cause"] and rec["seconds"] > 0
+    assert "cannot reach the engine" in rec["cause"] and rec["seconds"] > 0 and rec["attempt"] == 0
     print(f"\nengine lost during step 3's {rec['phase']}; back with the current weights in {rec['seconds']:.2f} s; "
           f"step 3 took {got[2]['step_time_s']:.2f} s, the others {[round(m['step_time_s'], 2) for m in got]}")
     print("\n".join(line for line in r.stderr.splitlines() if " done in " in line or "healthy" in line))
@@ -114,4 +114,20 @@ def test_a_killed_rollout_server_is_restarted_and_the_run_goes_on(work):
     first, last = (sum(m["reward_mean"] for m in got[i:i + 2]) / 2 for i in (0, 3))
     assert last >= first + 0.15, [m["reward_mean"] for m in got]
     assert "restarting it" in r.stderr and summary["reward_last"] > summary["reward_first"]
+    # the registry tells it beside the trainer's restarts: the summary, `runs show` and its --json
+    regenerated = SAMPLES if rec["phase"] == "rollout" else 0
+    assert (summary["restarts"], summary["engine_restarts"], summary["samples_regenerated"]) == (0, 1, regenerated)
+    assert f"1 rollout engine(s) restarted ({regenerated} sample(s) rolled out again)" in r.stderr
+    show = subprocess.run([sys.executable, "-m", "launcher", "runs", "show", run.name, "--hw", "cpu", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert (f"restarts: 1 of PRESET_MAX_RESTARTS=2 for the run (1 left), 0 step(s) trained twice, 1 of the rollout "
+            f"engine ({regenerated} sample(s) rolled out again)") in show.stdout, show.stdout + show.stderr
+    assert f"train step 3  rollout engine lost during {rec['phase']}: " in show.stdout, show.stdout
+    assert f"back in {rec['seconds']:.1f} s with the current weights" in show.stdout
+    assert f"; job {run.name}-train" in show.stdout
+    shown = json.loads(subprocess.run([sys.executable, "-m", "launcher", "runs", "show", run.name, "--json", "--hw",
+                                       "cpu", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout)
+    [engine] = shown["recovery"]["engine_restarts"]
+    assert (engine["step"], engine["samples"], engine["job"]) == (3, regenerated, f"{run.name}-train")
+    assert (shown["recovery"]["restarts_spent"], shown["recovery"]["restarts_left"]) == (1, 1)
 

@@ -94,6 +94,7 @@ def test_a_lost_server_is_restarted_and_the_step_regenerated_as_it_was(straight,
     assert [m["step"] for m in rows] == [1, 2, 3, 4]
     (rec,) = [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
     assert rec["step"] == 3 and rec["phase"] == "rollout" and "cannot reach the engine" in rec["cause"]
+    assert rec["samples"] == 64                                   # the step's batch, rolled out again
     assert [(m["rollout_restarts"], m["rollout_regenerated_samples"]) for m in rows] == [(0, 0), (0, 0), (1, 64), (0, 0)]
     assert all(m["rollout_restarts"] == 0 for m in straight)
     for got, want in zip(rows, straight):
