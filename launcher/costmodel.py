@@ -66,13 +66,14 @@ ADAM_KERNELS = ("fused", "foreach")
 GRAD_ACCUM_BYTES = 10
 ADAM_BYTES = {"bf16": 38, "fp32": 32}
 STACKED = "activations: stacked expert weights"
-# bytes an element of a gradient buffer that the trainer's finite check allocates at once, after the backward
-# (dsv4.megatron.train.Trainer._grads_finite: `(~torch.isfinite(g)).any()` on each of DDP's flat fp32 buffers in
-# turn). torch's isfinite on a float tensor is `(g == g) * (g.abs() != inf)`, whose temporaries all live until the
-# product: an fp32 copy (4) and three bools (3). On the routed experts' buffer it is a step's peak where the
-# activations are small: the TP8 rank shape's 5.6 G expert gradients make it 36.8 GiB, its OOM's 21 GiB allocation
-# is the copy
-GRAD_CHECK_BYTES = 7
+# bytes an element of a gradient buffer that the trainer's finite check allocates at once, after the backward.
+# This trainer's check (dsv4.megatron.train.all_finite: each buffer's min and max) allocates none. Until 5f0efcc it
+# was torch.isfinite on each of DDP's flat fp32 buffers, `(g == g) * (g.abs() != inf)`, whose temporaries all live
+# until the product: an fp32 copy (4) and three bools (3), ISFINITE_CHECK_BYTES. Where the activations are small and
+# the local experts many that was a step's peak: the TP8 rank shape's 5.6 G expert gradients made it 36.8 GiB, its
+# OOM's 21 GiB allocation is the copy (the validation row of that run keeps the 7)
+GRAD_CHECK_BYTES = 0
+ISFINITE_CHECK_BYTES = 7
 GRAD_CHECK = "transient: gradient finite check"
 
 
@@ -142,8 +143,8 @@ class Workload:
     overlap_grad_reduce: bool = False  # megatron DDP's overlap (this trainer: off)
     rl: RLWorkload | None = None
     # bytes an element of the largest gradient buffer that the finite check after the backward allocates at once:
-    # this trainer's torch.isfinite, GRAD_CHECK_BYTES; megatron's own check, a norm a bucket (other stacks' runs,
-    # miles'), 0
+    # this trainer's and megatron's own (a norm a bucket: other stacks' runs) 0; torch.isfinite's 7 (the trainer
+    # before 5f0efcc, ISFINITE_CHECK_BYTES)
     grad_check_bytes: int = GRAD_CHECK_BYTES
 
 
@@ -1396,13 +1397,14 @@ class BenchShape:
     mtp: bool = False
     attn_impl: str = "tilelang"
     adam_kernel: str = "fused"
+    grad_check_bytes: int = GRAD_CHECK_BYTES
 
     def layout(self) -> Layout:
         return Layout(tp=self.tp, etp=self.etp, micro_batch=self.micro_batch)
 
     def workload(self) -> Workload:
         return Workload(seq_len=self.seq_len, global_batch=self.global_batch, recompute=self.recompute, mtp=self.mtp,
-                        attn_impl=self.attn_impl, adam_kernel=self.adam_kernel)
+                        attn_impl=self.attn_impl, adam_kernel=self.adam_kernel, grad_check_bytes=self.grad_check_bytes)
 
     def to_json(self) -> dict:
         """The fields of a validation case (plan_validation.jsonl) with "bench": true."""
@@ -1410,14 +1412,16 @@ class BenchShape:
                 "global_batch": self.global_batch,
                 "layout": {"tp": self.tp, "etp": self.etp, "micro_batch": self.micro_batch},
                 "workload": {"recompute": self.recompute, "mtp": self.mtp, "attn_impl": self.attn_impl,
-                             "adam_kernel": self.adam_kernel}, "bench": True}
+                             "adam_kernel": self.adam_kernel, "grad_check_bytes": self.grad_check_bytes},
+                "bench": True}
 
     @classmethod
     def from_case(cls, case) -> "BenchShape":
         lay, wl = case.layout, case.workload
         return cls(case.model, tuple(case.overrides), lay.get("tp", 1), lay.get("etp", 1), case.seq_len,
                    case.global_batch, lay.get("micro_batch", 1), wl.get("recompute", "none"), wl.get("mtp", False),
-                   wl.get("attn_impl", "tilelang"), wl.get("adam_kernel", "fused"))
+                   wl.get("attn_impl", "tilelang"), wl.get("adam_kernel", "fused"),
+                   wl.get("grad_check_bytes", GRAD_CHECK_BYTES))
 
 
 def predict_bench(b: BenchShape, hw: Hardware) -> Prediction:
@@ -1464,7 +1468,7 @@ def memory_lines(p: Prediction, hw: Hardware) -> list[str]:
              f"{hw.reserve_gib:.2f} outside torch's allocator, {hw.fragmentation:.0%} fragmentation): "
              + ", ".join(f"{k} {v:.1f}" for k, v in named if v >= 0.05)]
     phases = p.memory.detail.get("phases_gib")
-    if phases:
+    if phases and p.workload.grad_check_bytes:
         state = sum(parts.get(k, 0.0) for k in ("weights", "gradients", "optimizer"))
         buf, n = max(p.memory.detail["grad_buffers_gib"].items(), key=lambda kv: kv[1], default=("", 0.0))
         peak = max(phases, key=phases.get)

@@ -5,6 +5,7 @@ inputs (batch flattened) only when its output matches ours."""
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -147,7 +148,8 @@ def test_the_bench_predicts_the_model_it_builds():
         b = step_shape("flash", {"attn_impl": "tilelang"}, rank, 4096, 8, 1, "none")
         assert cm.model_shape(b.model, b.overrides, 4096).cfg == rank.model_config()
         assert (b.tp, b.mtp) == (rank.layout.tp, True)
-        assert b == cm.BenchShape.from_case(cases[cmd])
+        # the rows ran the trainer's isfinite check (7 bytes an element); today's allocates nothing
+        assert replace(b, grad_check_bytes=cm.ISFINITE_CHECK_BYTES) == cm.BenchShape.from_case(cases[cmd])
 
 
 def _pretend_h200(monkeypatch):
@@ -161,11 +163,13 @@ def _pretend_h200(monkeypatch):
 
 @pytest.mark.parametrize("args,fits,peak", [
     (["--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "4"], "--layers 3", "130.2"),
-    (["--rank-of", "TP=8 PP=8 EP=8 FIRST=4 LAST=3"], "--layers 5", "137.9"),
+    (["--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "3", "--micro-batch", "2"], "--layers 2", "129.9"),
 ])
 def test_bench_step_refuses_what_the_model_says_does_not_fit(monkeypatch, capsys, args, fits, peak):
-    """The two rank shapes that ran out of memory on one H200 after 141-246 s of building and compiling are refused
-    before anything is built (exit 2), with the predicted peak by part and the largest --layers that fits."""
+    """The EP8 rank shape that ran out of memory on one H200 after 246 s of building and compiling, and the same
+    slice at micro-batch 2, are refused before anything is built (exit 2), with the predicted peak by part and the
+    largest --layers that fits. (The TP8 one that ran out, of its gradient check, fits since the check allocates
+    nothing: test_costmodel holds the old check to its OOM.)"""
     import time
 
     from dsv4.megatron import stepprof
@@ -178,7 +182,7 @@ def test_bench_step_refuses_what_the_model_says_does_not_fit(monkeypatch, capsys
     assert e.value.code == 2 and time.monotonic() - t0 < 60
     err = capsys.readouterr().err
     assert f"peaks at {peak} GiB" in err and "127.1 GiB this H200 leaves usable" in err
-    for part in ("weights", "gradients", "Adam state", "workspace", "gradient check"):
+    for part in ("weights", "gradients", "Adam state", "workspace"):
         assert part in err, part
     assert f"what the model says fits: {fits}" in err and "--skip-fit-check" in err
 
@@ -194,7 +198,7 @@ def test_bench_step_builds_anyway_when_told_and_fits_the_measured_shape(monkeypa
         raise RuntimeError("built")
     monkeypatch.setattr(stepprof, "bench_step", built)
     with pytest.raises(RuntimeError, match="built"):
-        main(["bench", "step", "--rank-of", "TP=8 PP=8 EP=8 FIRST=4 LAST=3", "--skip-fit-check"])
+        main(["bench", "step", "--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "4", "--skip-fit-check"])
     assert "--skip-fit-check: building anyway" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="built"):
         main(["bench", "step", "--model-overrides", "n_routed_experts=32"])

@@ -270,7 +270,7 @@ def test_the_indexer_scores_only_cp_divides_are_flagged_at_long_context():
 
 def test_the_gradient_check_allocates_seven_bytes_an_element():
     """Trainer._grads_finite runs `(~torch.isfinite(g)).any()` on each of DDP's flat fp32 gradient buffers: torch's
-    isfinite is `(g == g) * (g.abs() != inf)`, an fp32 copy and three bools alive at once (GRAD_CHECK_BYTES). Should
+    isfinite is `(g == g) * (g.abs() != inf)`, an fp32 copy and three bools alive at once (ISFINITE_CHECK_BYTES). Should
     torch change it, this says so."""
     import weakref
 
@@ -290,7 +290,7 @@ def test_the_gradient_check_allocates_seven_bytes_an_element():
     g = torch.zeros(4096)
     with Sizes():
         (~torch.isfinite(g)).any()
-    assert peak[0] == cm.GRAD_CHECK_BYTES * g.numel()
+    assert peak[0] == cm.ISFINITE_CHECK_BYTES * g.numel()
 
 
 def _bench_cases() -> dict:
