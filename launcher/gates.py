@@ -188,16 +188,25 @@ def baseline(rows, run_dir, cfg) -> GateResult:
     """The run follows PRESET_BASELINE_RUN step by step (loss and gradient norm, RL: reward and mismatch) within
     PRESET_BASELINE_TOL (relative): "this kernel change must not move the loss"."""
     from launcher import compare
+    from launcher import metrics as metrics_file
     ref_id, tol = cfg["PRESET_BASELINE_RUN"], cfg["PRESET_BASELINE_TOL"]
     if not ref_id:
         return GateResult("baseline", False, "PRESET_BASELINE_RUN is empty: name the run to compare with")
     ref = compare.read_metrics(Path(cfg["V4_OUT"]) / ref_id)
     if not ref:
         return GateResult("baseline", False, f"baseline run {ref_id} has no metrics under {cfg['V4_OUT']}")
-    res = compare.compare({ref_id: ref, "this run": rows}, None, tol)
+    ref_dir = Path(cfg["V4_OUT"]) / ref_id
+    # the comparison `v4 runs compare` makes: a step either run lacks, a malformed line (what it held is unknown) or
+    # runs of other modes fail it whatever the values
+    res = compare.compare({ref_id: ref, "this run": rows}, None, tol,
+                          bad={ref_id: metrics_file.read(ref_dir).bad, "this run": metrics_file.read(run_dir).bad},
+                          modes={ref_id: compare.run_mode(ref_dir, ref), "this run": compare.run_mode(run_dir, rows)})
     if not res.verdicts:                          # all() of nothing would pass: nothing compared is a failure
         return GateResult("baseline", False, f"no metric in common with baseline {ref_id} "
                                              f"(compared: {', '.join(compare.DEFAULT_COMPARE)})")
+    if res.problems:
+        return GateResult("baseline", False, f"not comparable with baseline {ref_id}: {res.problems[0].detail}"
+                                             + (f" (and {len(res.problems) - 1} more)" if len(res.problems) > 1 else ""))
     bad = [v for v in res.verdicts if v.verdict not in ("identical", "within")]
     if bad:
         v = bad[0]

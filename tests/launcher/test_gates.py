@@ -227,6 +227,13 @@ def test_the_baseline_gate_follows_a_named_run(tmp_path):
     assert gate(same, PRESET_BASELINE_RUN="stageA-base", PRESET_BASELINE_TOL=0.01).passed
     assert not gate(same, PRESET_BASELINE_RUN="stageA-none").passed
     assert not gate(same).passed
+    good = (base / "metrics.jsonl").read_text()
+    (base / "metrics.jsonl").write_text("\n".join(good.splitlines()[:2]) + "\n")      # the baseline stopped at step 2
+    r = gate(same, PRESET_BASELINE_RUN="stageA-base", PRESET_BASELINE_TOL=0.01)
+    assert not r.passed and "stageA-base has no row for step 3" in r.detail, r.detail
+    (base / "metrics.jsonl").write_text(good + "{not json\n")                          # a line nobody can read
+    r = gate(same, PRESET_BASELINE_RUN="stageA-base", PRESET_BASELINE_TOL=0.01)
+    assert not r.passed and "1 malformed line in stageA-base's metrics.jsonl" in r.detail, r.detail
     (base / "metrics.jsonl").write_text('{"step": 1, "tokens_per_s": 5.0}\n')        # nothing to compare
     r = gate(same, PRESET_BASELINE_RUN="stageA-base")
     assert not r.passed and "no metric in common" in r.detail
