@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.common import RunContext, done, fingerprint, log, mark_done, ranks_local
+from jobs.common import RunContext, done, fingerprint, log, mark_done, ranks_local, with_compile_cache
 from jobs.train_sft import layout_from, model_config, watched, world_size
 
 
@@ -164,6 +164,7 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: RLJob
     from dsv4.rl.loop import run_grpo
     quiet_libraries()
     ctx = RunContext.load(job.run_dir)
+    on_metrics = with_compile_cache(ctx.write_metrics)      # counted before anything compiles, as the SFT step does
     cfg = ctx.cfg
     tc, pg_timeout_s = watched(job.tc, ctx, rank, world, master_addr)     # the hang watchdog's heartbeat
     init_distributed(rank, world, job.backend, tc.device, master_addr, master_port, timeout_s=pg_timeout_s)
@@ -175,7 +176,7 @@ def worker(rank: int, world: int, master_addr: str, master_port: int, job: RLJob
     from dsv4.rl.restart import EngineGone
     engine, restarter, server = rollout_engine(cfg, tc, job.rl, ctx) if rank == 0 else (None, None, None)
     try:
-        return run_grpo(tc, job.rl, task, reward_fn, engine, out, on_metrics=ctx.write_metrics, log=log,
+        return run_grpo(tc, job.rl, task, reward_fn, engine, out, on_metrics=on_metrics, log=log,
                         restarter=restarter)
     except EngineGone as e:
         log(f"error: {e}")

@@ -47,6 +47,8 @@ def test_rl_smoke_learns_and_passes_its_gates(work):
     parts = summary["step_parts_s"]                      # the steady steps' time by part, as each row has it
     assert list(parts) == ["rollout", "logprob", "train", "sync", "wait"] and "a step: rollout" in r.stderr
     assert abs(sum(parts.values()) - summary["step_time_s"]) <= 1e-6 * summary["step_time_s"]
+    assert rows[0]["compile_cache"] in ("cold", "warm", "partial") and "compile_cache" not in rows[1]
+    assert "compile cache: " in (run / "steps" / "train" / "log").read_text()
     for m in rows:
         assert m["weight_version"] == str(m["step"]) and m["weights_synced"] is True
         assert m["route_agree"] == 1.0 and m["logprob_diff_max"] <= 1e-4
