@@ -16,6 +16,8 @@ clears. Onboarding goes on around a broken node, and says which one to fix.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import hashlib
 import json
 import shlex
@@ -221,7 +223,9 @@ def bootstrap(selection, until, start, dry_run, as_json, exclude):
     from launcher.pipeline import config_flags
     if selection.preset:
         raise click.UsageError("bootstrap runs its own presets (smoke, dryrun); drop --preset")
-    cfg = load_config(selection)
+    from launcher.config import ports
+    with ports.read_only() if dry_run else nullcontext():      # a dry run records no ports either
+        cfg = load_config(selection)
     flags = config_flags(cfg)
     again = " ".join(["v4 bootstrap", *flags] + (["--exclude-bad-nodes"] if exclude else []))
     state = load_state(cfg)

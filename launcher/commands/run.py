@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import click
 
@@ -45,7 +46,9 @@ def _run(selection, dry_run, as_json, skip_checks, force, resume, restart_runnin
     from launcher import plan as planning
     from launcher import registry
 
-    cfg = load_config(selection)
+    from launcher.config import ports
+    with ports.read_only() if dry_run else nullcontext():      # a dry run records no ports either
+        cfg = load_config(selection)
     # `latest` or a prefix names a run; the plan (run dir, job ids) needs its id, dry run or not
     run_id = registry.resolve_resume(cfg, resume) if resume is not None else None
     plan = planning.build(cfg, run_id=run_id)

@@ -12,6 +12,10 @@ between `v4 cluster down` and the next `up` by something of ours. Ports come in 
 server, rendezvous); a checkout starts at its own slot, a hash of its V4_LOCAL_DIR, so two checkouts picking at the
 same moment, before either listens, still get different ones. A slot with any port in use is skipped.
 
+A dry run (`v4 run --dry-run`, `v4 bootstrap --dry-run`) resolves inside `read_only()`: it takes a record that
+exists and, where there is none, picks free ports without recording them (its plan says so), so that it writes
+nothing.
+
 Provenance: `v4 config show --explain` shows such a key as coming from `auto: <record>`, overriding the `auto` of
 its file. A recorded port taken later by something else is reported by preflight's `ports` check; deleting the
 record (after `v4 cluster down`) makes the next command pick again.
@@ -23,6 +27,7 @@ import fcntl
 import hashlib
 import os
 import socket
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -41,6 +46,18 @@ AVOID = frozenset({29500, 30000})
 RECORD_NAME = "ports.json"
 
 Port = Annotated[int, msgspec.Meta(ge=1024, le=65535)]
+_read_only = False
+
+
+@contextmanager
+def read_only():
+    """Resolve without writing a record: missing ports are picked, not recorded (a dry run touches no file)."""
+    global _read_only
+    outer, _read_only = _read_only, True
+    try:
+        yield
+    finally:
+        _read_only = outer
 
 
 class Record(msgspec.Struct, forbid_unknown_fields=True):
@@ -86,7 +103,8 @@ def assign_auto(cfg) -> None:
     ports, picked = _recorded_or_picked(path, wanted, fixed)
     for k in wanted:
         idx = len(cfg.history[k])
-        how = "picked free now, recorded in" if k in picked else "recorded in"
+        how = ("picked free now, not recorded (dry run): the next command records its own pick in" if k in picked
+               and _read_only else "picked free now, recorded in" if k in picked else "recorded in")
         cfg.history[k].append(Assignment(k, str(ports[k]), True, f"{AUTO}: {how} {path}"))
         cfg.resolved[(k, idx)] = str(ports[k])
         v[k] = ports[k]
@@ -96,6 +114,11 @@ def _recorded_or_picked(path: Path, wanted: list[str], fixed: set[int]) -> tuple
     rec = _read(path)
     if rec is not None and all(k in rec.ports for k in wanted):
         return rec.ports, set()                       # the usual call: no lock, nothing written
+    if _read_only:
+        have = dict(rec.ports) if rec else {}
+        missing = [k for k in wanted if k not in have]
+        have.update(pick(str(path.parent), missing, fixed | set(have.values())))
+        return have, set(missing)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)

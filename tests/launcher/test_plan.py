@@ -66,6 +66,28 @@ def test_dry_run_touches_nothing(tmp_path):
     assert str(work) in r.stdout and not work.exists()
 
 
+@pytest.mark.parametrize("cmd", [["run", "--preset", "smoke", "--dry-run"], ["bootstrap", "--dry-run"]])
+def test_a_dry_run_on_the_local_default_records_no_ports(tmp_path, cmd):
+    """The local default's `auto` ports: a dry run picks them for its plan but writes no ports.json (the first real
+    command records its own pick); a record that exists is what it shows."""
+    local = tmp_path / "local"
+    args = [sys.executable, "-m", "launcher", *cmd, "--hw", "cpu", "--set", f"V4_WORK={tmp_path / 'work'}",
+            "--set", f"V4_LOCAL_DIR={local}"]
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert not local.exists() and not (tmp_path / "work").exists()
+    from launcher.config.ports import RECORD_NAME, Record
+    import msgspec
+    local.mkdir()
+    (local / RECORD_NAME).write_bytes(msgspec.json.encode(Record(local_dir=str(local), ports={
+        "V4_RAY_PORT": 24440, "V4_DASHBOARD_PORT": 24441, "V4_RAY_CLIENT_PORT": 24442})))
+    shown = subprocess.run([*args, "--json"] if cmd[0] == "run" else args, cwd=ROOT, capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    if cmd[0] == "run":
+        assert "24440" in shown.stdout
+    assert sorted(p.name for p in local.iterdir()) == [RECORD_NAME]
+
+
 def test_dry_run_with_a_config_error_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", "--preset", "long_context", "--cluster", "h20_8node", "--dry-run"])
