@@ -160,6 +160,8 @@ def test_a_gpu_at_half_speed_fails_against_the_hw_layer():
     # 0.7 passes at a fraction of 0.6: the threshold is the hw layer's key
     assert judge("gpu_perf", cfg_for(V4_NUM_GPUS_PER_NODE=2, HW_GEMM_TFLOPS=790, HW_GPU_PROBE_MIN_FRACTION=0.6),
                  {A: facts(health(gemm=(790, 553)))})[A].status == "PASS"
+    nan = judge("gpu_perf", cfg, {A: facts(health(gemm=(790, float("nan"))))})[A]    # NaN < threshold is False
+    assert nan.status == "FAIL" and "GPU 1" in nan.detail, nan
     broken = judge("gpu_perf", cfg, {A: facts(health(errors=(1,)))})[A]
     assert broken.status == "FAIL" and "GPU 1: the probe failed" in broken.detail
     gone = judge("gpu_perf", cfg, {A: facts({"error": "rc 127: python3: not found"})})[A]
