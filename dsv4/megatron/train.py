@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from dsv4 import quant
 from dsv4.config import ModelConfig
 from dsv4.fileio import atomic_write
 from dsv4.heartbeat import Heartbeat
@@ -434,7 +435,8 @@ class Trainer:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.ddp.train()
-        with split_gemm.reuse_halves():      # no weight changes inside the schedule: split the fp32 ones once
+        # no weight changes inside the schedule: split the fp32 weights, and quantise the QAT ones, once
+        with split_gemm.reuse_halves(), quant.reuse_weight_qdq():
             store = get_forward_backward_func()(
                 forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
                 num_microbatches=self.n_micro, seq_length=self.tc.seq_len,

@@ -164,3 +164,41 @@ def test_fast_dequant_in_chunks_matches_plain_arithmetic(shape):
     want = quant.fp4_dequant(quant.fp4_unpack(packed), s4, 32)
     got = quant.mxfp4_dequant(packed, s4)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and torch.equal(got.float(), want)
+
+
+@pytest.mark.parametrize("fn", [quant.fp8_weight_qdq, quant.mxfp4_weight_qdq], ids=["fp8", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reused_weight_qdq_is_the_same_forward_and_gradient(fn, dtype):
+    """Three micro-batches through a QAT weight with and without reuse_weight_qdq(): the same outputs and
+    accumulated gradient bit for bit; with it the weight is quantised once (a count of the ops dispatched), and the
+    values the micro-batches hold for their backward are one copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    w0 = torch.randn(256, 384, generator=G).to(dtype)
+    xs = [torch.randn(8, 384, generator=G).to(dtype) for _ in range(3)]
+    got, ops = [], []
+    for reuse in (False, True):
+        w = w0.clone().requires_grad_()
+        Count.n, outs, held = 0, [], []
+        with quant.reuse_weight_qdq() if reuse else torch.enable_grad(), Count():
+            for x in xs:
+                q = fn(w)
+                held.append(q)
+                outs.append(torch.nn.functional.linear(x, q))
+        ops.append(Count.n)
+        for y in outs:
+            (y.float() ** 2).sum().backward()
+        assert all(torch.isfinite(y).all() for y in outs) and torch.isfinite(w.grad).all()
+        got.append((outs, w.grad, held))
+    (o0, g0, h0), (o1, g1, h1) = got
+    assert all(torch.equal(a, b) for a, b in zip(o0, o1)) and torch.equal(g0, g1)
+    assert len({h.untyped_storage().data_ptr() for h in h1}) == 1            # one copy shared
+    assert len({h.untyped_storage().data_ptr() for h in h0}) == 3
+    assert ops[1] < ops[0] / 2, ops                                            # quantised once, not three times
+    assert quant._qdq_values is None
