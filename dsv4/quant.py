@@ -5,8 +5,8 @@
 * FP4 e2m1 quant with 1x32 power-of-two scales; MXFP4 packing (two codes per byte, LOW nibble = even element).
 * Lossless MXFP4 -> FP8 128x128 cast, and the dequantizers.
 * Straight-through quant-dequant wrappers (`*_qdq`) used by the model's QAT simulation points: the forward
-  value is the quantized one, the gradient is the identity. Inside `reuse_weight_qdq()` (the trainer opens it
-  around one step's forward and backward, when no weight changes) each weight is quantised once, not at every
+  value is the quantized one, the gradient is the identity. While `dsv4.stepmemo.weights_fixed()` is open (the
+  trainer opens it around one step's forward and backward, when no weight changes) each weight is quantised once, not at every
   micro-batch: eagerly that is hundreds of small kernels a weight (the H200 rl_smoke's training spent most of its
   1.69 s a step in them, over 4 micro-batches), and the micro-batches in flight share one copy of the value.
 
@@ -16,11 +16,12 @@ convert power-of-two scales to and from the 1-byte e8m0 storage format (value 2^
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from functools import lru_cache
 
 import numpy as np
 import torch
+
+from dsv4.stepmemo import Memo, weight_key
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
@@ -258,19 +259,7 @@ def _ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x + (y.to(x.dtype) - x).detach()
 
 
-_qdq_values: dict | None = None       # (format, weight) -> its forward value, while reuse_weight_qdq() is open
-
-
-@contextmanager
-def reuse_weight_qdq():
-    """Quantise each weight once while open: the caller promises no weight changes meanwhile."""
-    global _qdq_values
-    outer = _qdq_values
-    _qdq_values = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _qdq_values = outer
+_QDQ = Memo("QAT weight values")
 
 
 class _StoredValue(torch.autograd.Function):
@@ -287,15 +276,12 @@ class _StoredValue(torch.autograd.Function):
 
 
 def _weight_qdq(w: torch.Tensor, fmt: tuple, dequantized) -> torch.Tensor:
-    """_ste(w, dequantized(w)), the value computed once per weight while reuse_weight_qdq() is open: the same bits
-    (the value is _ste's own forward, w + (y - w) in w's dtype), the same gradient."""
-    if _qdq_values is None:
+    """_ste(w, dequantized(w)), the value computed once per weight while dsv4.stepmemo.weights_fixed() is open:
+    the same bits (the value is _ste's own forward, w + (y - w) in w's dtype), the same gradient."""
+    if not _QDQ.open:
         return _ste(w, dequantized(w.detach()))
-    key = (fmt, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
-    value = _qdq_values.get(key)
-    if value is None:
-        d = w.detach()
-        value = _qdq_values[key] = d + (dequantized(d).to(d.dtype) - d)
+    d = w.detach()
+    value = _QDQ.get(weight_key(w, *fmt), lambda: d + (dequantized(d).to(d.dtype) - d))
     return _StoredValue.apply(w, value)
 
 

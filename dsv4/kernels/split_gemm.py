@@ -23,8 +23,8 @@ layer's gradient is: the logits themselves, which RL's log-probabilities read, s
 CUDA only: `mm`'s `out_dtype` has no CPU kernel, and on a CPU the fp32 GEMM is what runs anyway
 (`linear` falls back to F.linear there, so CPU results stay exact).
 
-Inside `reuse_halves()` (the trainer opens it around one step's forward and backward, when no weight changes)
-each weight is split once, not at every micro-batch: for the head that is 2 GB read and 1 GB written per
+While `dsv4.stepmemo.weights_fixed()` is open (the trainer opens it around one step's forward and backward, when
+no weight changes) each weight is split once, not at every micro-batch: for the head that is 2 GB read and 1 GB written per
 micro-batch saved, ~23 ms of an 8-micro-batch step at 4096 tokens on the H200.
 
 `SplitWeight` keeps a weight's halves for a caller that multiplies by the same weight many times between
@@ -33,9 +33,9 @@ GEMM saves. Its buffers are refreshed in place, so a CUDA graph that captured th
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
+
+from dsv4.stepmemo import Memo, weight_key
 
 # rows above which the backward splits its operands chunk by chunk (bounds the bf16 copies: a [rows, vocab]
 # gradient in two bf16 halves is 4 * rows * vocab bytes, ~1 GB at 2048 x 129,280)
@@ -51,29 +51,12 @@ def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (t - hi.float()).to(torch.bfloat16)
 
 
-_halves: dict | None = None          # weight -> its halves, while reuse_halves() is open
-
-
-@contextmanager
-def reuse_halves():
-    """Split each fp32 weight once while open: the caller promises no weight changes meanwhile."""
-    global _halves
-    outer = _halves
-    _halves = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _halves = outer
+_HALVES = Memo("fp32 weight halves")
 
 
 def weight_halves(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """split(w), once per weight while reuse_halves() is open."""
-    if _halves is None:
-        return split(w)
-    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
-    if key not in _halves:
-        _halves[key] = split(w.detach())
-    return _halves[key]
+    """split(w), once per weight while dsv4.stepmemo.weights_fixed() is open."""
+    return _HALVES.get(weight_key(w), lambda: split(w.detach()))
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,7 +108,7 @@ class _SplitLinear(torch.autograd.Function):
         if ctx.split_backward:
             wh, wl = weight_halves(w) if need_x else (None, None)
         elif need_x:                     # one bf16 GEMM per gradient, fp32 out (the hi half is bf16(w))
-            wh = weight_halves(w)[0] if _halves is not None else w.to(torch.bfloat16)
+            wh = weight_halves(w)[0] if _HALVES.open else w.to(torch.bfloat16)
         for i in range(0, g.shape[0], _CHUNK_ROWS):
             rows = slice(i, i + _CHUNK_ROWS)
             if not ctx.split_backward:

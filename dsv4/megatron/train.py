@@ -28,11 +28,10 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from dsv4 import quant
+from dsv4 import stepmemo
 from dsv4.config import ModelConfig
 from dsv4.fileio import atomic_write
 from dsv4.heartbeat import Heartbeat
-from dsv4.kernels import split_gemm
 from dsv4.megatron import cpu_shim
 from dsv4.megatron.model import DSV4Stage, Objective, model_provider
 from dsv4.megatron.nanwatch import NonFiniteMonitor, PlantSpec, run_facts
@@ -436,7 +435,7 @@ class Trainer:
         self.optimizer.zero_grad()
         self.ddp.train()
         # no weight changes inside the schedule: split the fp32 weights, and quantise the QAT ones, once
-        with split_gemm.reuse_halves(), quant.reuse_weight_qdq():
+        with stepmemo.weights_fixed():
             store = get_forward_backward_func()(
                 forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
                 num_microbatches=self.n_micro, seq_length=self.tc.seq_len,

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dsv4 import quant
+from dsv4 import quant, stepmemo
 
 G = torch.Generator().manual_seed(0)
 
@@ -169,7 +169,7 @@ def test_fast_dequant_in_chunks_matches_plain_arithmetic(shape):
 @pytest.mark.parametrize("fn", [quant.fp8_weight_qdq, quant.mxfp4_weight_qdq], ids=["fp8", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reused_weight_qdq_is_the_same_forward_and_gradient(fn, dtype):
-    """Three micro-batches through a QAT weight with and without reuse_weight_qdq(): the same outputs and
+    """Three micro-batches through a QAT weight with and without weights_fixed(): the same outputs and
     accumulated gradient bit for bit; with it the weight is quantised once (a count of the ops dispatched), and the
     values the micro-batches hold for their backward are one copy."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -186,7 +186,7 @@ def test_reused_weight_qdq_is_the_same_forward_and_gradient(fn, dtype):
     for reuse in (False, True):
         w = w0.clone().requires_grad_()
         Count.n, outs, held = 0, [], []
-        with quant.reuse_weight_qdq() if reuse else torch.enable_grad(), Count():
+        with stepmemo.weights_fixed() if reuse else torch.enable_grad(), Count():
             for x in xs:
                 q = fn(w)
                 held.append(q)
@@ -201,4 +201,4 @@ def test_reused_weight_qdq_is_the_same_forward_and_gradient(fn, dtype):
     assert len({h.untyped_storage().data_ptr() for h in h1}) == 1            # one copy shared
     assert len({h.untyped_storage().data_ptr() for h in h0}) == 3
     assert ops[1] < ops[0] / 2, ops                                            # quantised once, not three times
-    assert quant._qdq_values is None
+    assert not quant._QDQ.open

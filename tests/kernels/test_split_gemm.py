@@ -5,6 +5,7 @@ Errors are max |got - ref| / max |ref| over the output, finiteness asserted firs
 import pytest
 import torch
 
+from dsv4 import stepmemo
 from dsv4.kernels import split_gemm
 
 
@@ -93,31 +94,31 @@ def test_bf16_input_is_exact_and_skips_its_lo_half(N):
     assert errs[False][2] < 2e-2
 
 
-def test_reuse_halves_splits_each_weight_once_while_open():
+def test_weights_fixed_splits_each_weight_once_while_open():
     w, v = torch.randn(32, 64), torch.randn(32, 64)
     assert split_gemm.weight_halves(w) is not split_gemm.weight_halves(w)     # closed: a fresh split each call
-    with split_gemm.reuse_halves():
+    with stepmemo.weights_fixed():
         first = split_gemm.weight_halves(w)
         assert split_gemm.weight_halves(w) is first
         assert split_gemm.weight_halves(v) is not first
-        with split_gemm.reuse_halves():                                       # nested: the same store
+        with stepmemo.weights_fixed():                                       # nested: the same store
             assert split_gemm.weight_halves(w) is first
         assert torch.equal(first[0], split_gemm.split(w)[0]) and torch.equal(first[1], split_gemm.split(w)[1])
-    assert split_gemm._halves is None
+    assert not split_gemm._HALVES.open
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("split_backward", [True, False], ids=["bf16x3", "bf16x3_fwd"])
 def test_reused_halves_give_the_same_gradients(split_backward):
-    """Two micro-batches through the head-shaped split linear with and without reuse_halves: identical."""
+    """Two micro-batches through the head-shaped split linear with and without weights_fixed(): identical."""
     x, w = _case(2048, 1024, 8192)
     x = x.bfloat16()
     grads = []
     for reuse in (False, True):
         wp = w.clone().requires_grad_()
         xs = [x.clone().requires_grad_() for _ in range(2)]
-        with (split_gemm.reuse_halves() if reuse else torch.enable_grad()):
+        with (stepmemo.weights_fixed() if reuse else torch.enable_grad()):
             for xi in xs:
                 split_gemm.linear(xi, wp, split_backward).square().mean().backward()
         grads.append((wp.grad, [xi.grad for xi in xs]))
