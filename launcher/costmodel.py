@@ -16,26 +16,28 @@ and how long a step takes (by part), from the model config and rates measured on
   holds PP - s; interleaved more), the grouped GEMM's stacked copy of the local experts a micro-batch in flight
   (EP = 1), plus the largest transient (the indexer's fp32 [S/CP, S/4] scores, which only
   CP divides; the logits' gradient; one block's backward); under FP8 QAT (RL with FP8 sync) the bf16 weight copies
-  the GEMMs save. After the backward, with the activations freed, a finite check of the gradient buffers that
-  allocates (torch.isfinite, 7 bytes an element of the largest: the trainer before e352e77; today's allocates
-  nothing) is a phase of its own; the peak is the fuller phase. One factor on the inventory and one constant workspace
-  are fitted to the measured peaks of the H200 smoke at micro-batch 1 and 2 (`benchmarks/records/
-  plan_calibration.jsonl`): the inventory is first principles, its scale is measured; so is what the process
-  holds outside torch's allocator, which with 3 % fragmentation is what a GPU does not leave usable.
+  out of the QAT point (one for the step since c60489a; one a micro-batch in flight before). After the backward,
+  with the activations freed, a finite check of the gradient buffers that allocates (torch.isfinite, 7 bytes an
+  element of the largest: the trainer before e352e77; today's allocates nothing) is a phase of its own; the peak
+  is the fuller phase. One factor on the inventory and one constant workspace are fitted to the measured peaks of
+  the H200 smoke at micro-batch 1 and 2 (`benchmarks/records/plan_calibration.jsonl`): the inventory is first
+  principles, its scale is measured; so is what the process holds outside torch's allocator, which with 3 %
+  fragmentation is what a GPU does not leave usable.
 * **Time per step.** Compute per rank at rates derived from the H200 smoke's timed step and its profile by part
   (GEMM parts as TFLOP/s, the sparse attention from the TileLang kernels' own records, elementwise work per token
   and layer, a fixed cost per layer and micro-batch from the micro-batch 1 / 2 pair, gradient accumulation and
   the optimizer step as bytes a parameter at the bandwidths their kernels reached, the fused Adam's from a
   32-expert profile, which also times the split GEMM's halves of the fp32 weights and the experts' wgrad
-  epilogue; eager ops where the step is launch-bound, FP8 QAT and the sync's quantisation, at the host's time an
-  op); TP's sequence-parallel gathers and reduce-scatters, EP's all-to-alls (bytes =
-  tokens x top-k x dim x 2, over NVLink within a node and the network across), CP's gathers of halo rows and
+  epilogue; eager ops where the step is launch-bound, FP8 QAT (once a step since c60489a) and the sync's
+  quantisation, at the host's time an op); TP's sequence-parallel gathers and reduce-scatters, EP's all-to-alls
+  (bytes = tokens x top-k x dim x 2, over NVLink within a node and the network across), CP's gathers of halo rows and
   compressed entries, pipeline p2p and bubble (1F1B, interleaved), and the data-parallel gradient reduction
   (exposed: the trainer runs megatron's DDP with overlap_grad_reduce off; `overlap` models megatron's overlap).
 * **RL.** The rollout engine's memory (its weights in the sync format, KV cache), decode time per step from the
   measured decode rows (bytes a step reads over the bandwidth the embedded engine reached), weight-sync time by
   method and format for the bytes the model syncs, colocated or on separate nodes, and the trainer's side of the
-  sync (the FP8 quantisation, the read-back) and its FP8 QAT forward as eager ops at the host's time an op.
+  sync (the FP8 quantisation, the read-back) and its FP8 QAT of the weights (once a step) as eager ops at the host's
+  time an op.
 
 Every figure that is not calibrated here is an assumption with its source (`Hardware.assumptions`, the hw files,
 the calibration rows' notes): on the one H200 no network is measured, so NVLink beyond two GPUs and every
@@ -104,6 +106,20 @@ QUANT_CHUNK_OPS = 15
 QUANT_CAT_OPS = 2
 DEQUANT_CHUNK_OPS = 3
 QDQ_EXTRA_OPS = 4
+# how often the trainer's weight QAT points quantise (WEIGHT_QDQS). "step", the trainer since c60489a: while the
+# trainer holds dsv4.stepmemo.weights_fixed() open around the forward/backward schedule, dsv4.quant._weight_qdq
+# computes each weight's straight-through value once, at the first forward that uses it (fp8_qdq_ops, the same ops
+# as before), and keeps it to the end of the step's backward; every micro-batch gets a view of it through a
+# straight-through autograd function, so the micro-batches in flight share one copy. A micro-batch's look-up of a
+# stored value dispatches no kernel (a view) and is taken as QDQ_LOOKUP_OPS of the host's time an op (the key, the
+# memo, the Function's apply: 7.7 us on the CPU here, where a small eager add takes 1.1; test_costmodel counts the
+# ops in torch). "micro_batch", the code before: every forward quantises every weight, each micro-batch in flight
+# saving its own copy. (Every weight QAT point reuses, fp8_gemm_inputs' and mxfp4_experts' too; the model counts
+# the one it models, qat_rollout_fp8's. The activation points stay per micro-batch.)
+WEIGHT_QDQS = ("step", "micro_batch")
+QDQ_LOOKUP_OPS = 1
+QAT_OPS = "FP8 QAT of the weights (eager ops)"
+QAT_LOOKUPS = "FP8 QAT of the weights: stored-value look-ups"
 # the sync's read-back (dsv4.rl.loop._read_back) of one tensor from the embedded engine: ops, host syncs included,
 # of a quantised weight (compared against its FP8 bound) and of one sent as it is (compared exactly)
 READBACK_OPS = {"quantized": 28, "exact": 14}
@@ -180,6 +196,8 @@ class Workload:
     grad_check_bytes: int = GRAD_CHECK_BYTES
     fp32_split: str = "step"           # FP32_SPLITS: the fp32 weights split once a step (76ff1a9 on) or each micro-batch
     expert_wgrad: str = "main_grad"    # EXPERT_WGRADS: the experts' weight gradients into main_grad (76ff1a9 on) or hook
+    weight_qdq: str = "step"           # WEIGHT_QDQS: the QAT weights quantised once a step (c60489a on) or at
+                                       # every micro-batch
 
 
 @dataclass(frozen=True)
@@ -466,9 +484,10 @@ def layout_problems(shape: ModelShape, lay: Layout, wl: Workload, gpus_per_node:
                    f"{lay.micro_batch}" + (f" x {mbs} minibatches" if mbs > 1 else ""))
     if wl.attn_impl not in ATTN_IMPLS or wl.optimizer not in OPTIMIZERS or wl.recompute not in ("none", "full") \
             or wl.adam_kernel not in ADAM_KERNELS or wl.fp32_split not in FP32_SPLITS \
-            or wl.expert_wgrad not in EXPERT_WGRADS:
+            or wl.expert_wgrad not in EXPERT_WGRADS or wl.weight_qdq not in WEIGHT_QDQS:
         out.append(f"workload: attn_impl {wl.attn_impl!r}, optimizer {wl.optimizer!r}, recompute {wl.recompute!r}, "
-                   f"adam_kernel {wl.adam_kernel!r}, fp32_split {wl.fp32_split!r}, expert_wgrad {wl.expert_wgrad!r}")
+                   f"adam_kernel {wl.adam_kernel!r}, fp32_split {wl.fp32_split!r}, expert_wgrad {wl.expert_wgrad!r}, "
+                   f"weight_qdq {wl.weight_qdq!r}")
     return out
 
 
@@ -600,18 +619,20 @@ def stacked_expert_bytes(blk: Block, lay: Layout) -> float:
 def fp8_qat(shape: ModelShape, wl: Workload) -> bool:
     """The trainer's forward runs every FP8- or FP4-stored linear through the FP8 weight QAT point (dsv4.quant.
     fp8_weight_qdq, eager): RL with FP8 sync (dsv4.rl.loop.run_grpo sets ModelConfig.qat_rollout_fp8, so that the
-    policy trained is the one the engine samples), or a model that sets it. (fp8_gemm_inputs' activation points are
-    not modelled.)"""
+    policy trained is the one the engine samples), or a model that sets it; once a step or at every micro-batch as
+    Workload.weight_qdq says. (fp8_gemm_inputs' and mxfp4_experts' points are not modelled.)"""
     return bool(shape.cfg.qat_rollout_fp8) or (wl.rl is not None and wl.rl.sync_format == "fp8")
 
 
-def qat_copy_bytes(blk: Block, lay: Layout) -> float:
-    """The bf16 copies of a block's FP8 linears that the QAT point makes at each forward and the GEMMs save for the
-    backward (F.linear keeps its weight argument, which is now a new tensor, not the parameter); the routed experts
-    at EP = 1 are stacked anyway (stacked_expert_bytes), their QAT'd copies freed once stacked."""
+def qat_copy_bytes(blk: Block, lay: Layout, weight_qdq: str = "step") -> float:
+    """The bf16 copies of a block's FP8 linears out of the QAT point on one rank. weight_qdq="micro_batch" (the code
+    before c60489a): what each forward makes and the GEMMs save for the backward (F.linear keeps its weight
+    argument, which is now a new tensor, not the parameter); the routed experts at EP = 1 are stacked anyway
+    (stacked_expert_bytes), their QAT'd copies freed once stacked. "step": the step's stored values (WEIGHT_QDQS),
+    which every forward views; the routed experts at EP = 1 included, as the store keeps theirs past the stacking."""
     total = 0.0
     for lin, count in blk.fp8:
-        if lin[0] == "exp" and lay.ep == 1:
+        if lin[0] == "exp" and lay.ep == 1 and weight_qdq == "micro_batch":
             continue
         n, k, share = _rank_linear(lin, lay)
         total += n * k * count * share * 2
@@ -619,12 +640,25 @@ def qat_copy_bytes(blk: Block, lay: Layout) -> float:
 
 
 def qat_ops(blk: Block, lay: Layout) -> float:
-    """Eager ops of one forward's FP8 QAT points over a block's FP8 linears on one rank (fp8_qdq_ops each)."""
+    """Eager ops of quantising a block's FP8 linears on one rank through the FP8 QAT point once (fp8_qdq_ops each):
+    what every forward paid before c60489a, and what a step pays now."""
     total = 0.0
     for lin, count in blk.fp8:
         n, k, share = _rank_linear(lin, lay)
         total += fp8_qdq_ops(n, k) * count * share
     return total
+
+
+def qat_weights(blk: Block, lay: Layout) -> float:
+    """FP8 linears of a block on one rank: the stored values a forward looks up under weight_qdq="step"."""
+    return sum(count * _rank_linear(lin, lay)[2] for lin, count in blk.fp8)
+
+
+def stage_qat(shape: ModelShape, lay: Layout, stage: int, wl: Workload, ctx: dict | None = None,
+              per=qat_ops) -> float:
+    """`per` (qat_ops, qat_weights) over the blocks of pipeline rank `stage` that run (MTP with its loss only)."""
+    return sum(per(b, lay) * count for b, count in _stage_kinds(shape, lay, stage, wl, ctx)
+               if wl.mtp or not b.key.startswith("mtp."))
 
 
 def stage_blocks(shape: ModelShape, lay: Layout, stage: int, wl: Workload) -> list[Block]:
@@ -756,7 +790,7 @@ def stage_memory(shape: ModelShape, lay: Layout, wl: Workload, rates: Rates | No
         stacked += stacked_expert_bytes(b, lay) * count
         stacked_one = max(stacked_one, stacked_expert_bytes(b, lay))
         if qat_on:
-            q = qat_copy_bytes(b, lay)
+            q = qat_copy_bytes(b, lay, wl.weight_qdq)
             qat += q * count
             qat_one = max(qat_one, q)
         acts, trans, iws = _memo(ctx, ("acts", b.kind, lay.tp, lay.cp, lay.etp, lay.micro_batch),
@@ -784,8 +818,14 @@ def stage_memory(shape: ModelShape, lay: Layout, wl: Workload, rates: Rates | No
         # one a micro-batch in flight, or under full recompute only the block being recomputed
         backward[STACKED] = (stacked_one if wl.recompute == "full" else stacked * flight) / GiB
     if qat:
-        # the bf16 weights out of the FP8 QAT point, which each GEMM saves for its backward: exact sizes too
-        backward[QAT_COPIES] = (qat_one if wl.recompute == "full" else qat * flight) / GiB
+        # the bf16 weights out of the FP8 QAT point: exact sizes too. Once a step (c60489a on): one stored value a
+        # weight, from the first micro-batch's forward to the end of the step's backward, whatever the micro-batches
+        # in flight or the recompute; before, the copy each GEMM saved, one a micro-batch in flight (under full
+        # recompute only the block being recomputed)
+        if wl.weight_qdq == "step":
+            backward[QAT_COPIES] = qat / GiB
+        else:
+            backward[QAT_COPIES] = (qat_one if wl.recompute == "full" else qat * flight) / GiB
     transient = {"one block's backward": transient_blocks, "indexer fp32 scores": idx_ws,
                  "logits gradient and head halves": head_trans}
     big = max(transient, key=transient.get)
@@ -940,9 +980,12 @@ def stage_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage
         add("fp32 weight splits", split_elements(shape, lay, stage, wl, ctx, per="micro_batch")
             * (SPLIT_BYTES + SPLIT_BACKWARD_BYTES) / (R.stream_gbps * 1e9))
     if fp8_qat(shape, wl):
-        ops = sum(qat_ops(b, lay) * count for b, count in _stage_kinds(shape, lay, stage, wl, ctx)
-                  if wl.mtp or not b.key.startswith("mtp."))
-        add("FP8 QAT of the weights (eager ops)", ops * R.host_op_s)
+        if wl.weight_qdq == "micro_batch":
+            # the code before c60489a: every forward quantises every weight
+            add(QAT_OPS, stage_qat(shape, lay, stage, wl, ctx) * R.host_op_s)
+        else:
+            # today's: a forward looks each weight's stored value up (the quantisation is once a step: _step_time)
+            add(QAT_LOOKUPS, stage_qat(shape, lay, stage, wl, ctx, qat_weights) * QDQ_LOOKUP_OPS * R.host_op_s)
     return out
 
 
@@ -1087,6 +1130,11 @@ def _step_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: 
         # split_gemm.reuse_halves: each fp32 weight split once, at the first micro-batch's forward
         time["fp32 weight splits"] = split_elements(shape, lay, slow, wl, ctx) * SPLIT_BYTES / (
             hw.rates.stream_gbps * 1e9)
+    if fp8_qat(shape, wl) and wl.weight_qdq == "step":
+        # dsv4.quant._weight_qdq inside weights_fixed() (c60489a): each weight quantised once a step, at the first
+        # micro-batch's forward on its stage. That forward is the first micro-batch's path through the pipeline, and
+        # the ops are host time, so every stage's add up (at PP 1 the one stage's)
+        time[QAT_OPS] = sum(stage_qat(shape, lay, s, wl, ctx) for s in range(lay.pp)) * hw.rates.host_op_s
     updates = wl.rl.minibatches if wl.rl else 1
     if updates > 1:
         time = {k: v * updates for k, v in time.items()}
@@ -1630,6 +1678,7 @@ class BenchShape:
     grad_check_bytes: int = GRAD_CHECK_BYTES
     fp32_split: str = "step"
     expert_wgrad: str = "main_grad"
+    weight_qdq: str = "step"
 
     def layout(self) -> Layout:
         return Layout(tp=self.tp, etp=self.etp, micro_batch=self.micro_batch)
@@ -1637,7 +1686,7 @@ class BenchShape:
     def workload(self) -> Workload:
         return Workload(seq_len=self.seq_len, global_batch=self.global_batch, recompute=self.recompute, mtp=self.mtp,
                         attn_impl=self.attn_impl, adam_kernel=self.adam_kernel, grad_check_bytes=self.grad_check_bytes,
-                        fp32_split=self.fp32_split, expert_wgrad=self.expert_wgrad)
+                        fp32_split=self.fp32_split, expert_wgrad=self.expert_wgrad, weight_qdq=self.weight_qdq)
 
     def to_json(self) -> dict:
         """The fields of a validation case (plan_validation.jsonl) with "bench": true."""
@@ -1646,7 +1695,8 @@ class BenchShape:
                 "layout": {"tp": self.tp, "etp": self.etp, "micro_batch": self.micro_batch},
                 "workload": {"recompute": self.recompute, "mtp": self.mtp, "attn_impl": self.attn_impl,
                              "adam_kernel": self.adam_kernel, "grad_check_bytes": self.grad_check_bytes,
-                             "fp32_split": self.fp32_split, "expert_wgrad": self.expert_wgrad},
+                             "fp32_split": self.fp32_split, "expert_wgrad": self.expert_wgrad,
+                             "weight_qdq": self.weight_qdq},
                 "bench": True}
 
     @classmethod
@@ -1656,7 +1706,7 @@ class BenchShape:
                    case.global_batch, lay.get("micro_batch", 1), wl.get("recompute", "none"), wl.get("mtp", False),
                    wl.get("attn_impl", "tilelang"), wl.get("adam_kernel", "fused"),
                    wl.get("grad_check_bytes", GRAD_CHECK_BYTES), wl.get("fp32_split", "step"),
-                   wl.get("expert_wgrad", "main_grad"))
+                   wl.get("expert_wgrad", "main_grad"), wl.get("weight_qdq", "step"))
 
 
 def predict_bench(b: BenchShape, hw: Hardware) -> Prediction:
@@ -1978,7 +2028,7 @@ def validation_table(path: str = str(VALIDATION_FILE), records: str | None = Non
                                 ("sync_s", "s/step: weight sync", MODEL_TOLERANCE["step_time"])):
             pred = _quantity(p, key)
             meas = case.measured.get(key)
-            if case.source == "gap" and key not in ("peak_gib", "step_s"):
+            if case.source == "gap" and key not in ("peak_gib", "step_s") and not case.rl:
                 continue
             if case.source == "gap":
                 rows.append({**base, "quantity": label, "measured": None, "predicted": pred, "error": None,

@@ -7,6 +7,7 @@ import math
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -398,7 +399,8 @@ def test_the_rl_smoke_step_is_the_fp8_qat_by_part():
     linear through the eager QAT point (44,934 ops a micro-batch over the 4 layers' 129 such weights), each op a
     launch of ~2 MB of work, so the step pays the host's time an op: 9.2 us, from the sync part of the same run
     (0.482 s of eager FP8 quantisation and read-back: 52,650 ops; the calibration input). 4 x 44,934 x 9.2 us =
-    1.65 s of the train part's 1.69; the step within tolerance. Memory: the QAT copies the GEMMs save (1.0 GiB)."""
+    1.65 s of the train part's 1.69; the step within tolerance. Memory: the QAT copies the GEMMs save (1.0 GiB). The
+    row's code quantised at every micro-batch (`"weight_qdq": "micro_batch"`); today's: the test below."""
     rates = cm.rates_for("H200")
     shape = cm.model_shape("4layer", ("n_routed_experts=8",), 16)
     rl = cm.RLWorkload(128, 1, sync_format="fp8")
@@ -419,7 +421,100 @@ def test_the_rl_smoke_step_is_the_fp8_qat_by_part():
     assert p.time["weight sync"] == pytest.approx(cm._sync_bytes(shape, "fp8") / 53.0e9)
     assert "experts' wgrad into main_grad" not in p.time
     assert p.memory.parts[cm.QAT_COPIES] == pytest.approx(
-        sum(cm.qat_copy_bytes(b, lay) for b in shape.layers) / GiB) and 0.9 < p.memory.parts[cm.QAT_COPIES] < 1.1
+        sum(cm.qat_copy_bytes(b, lay, "micro_batch") for b in shape.layers) / GiB) \
+        and 0.9 < p.memory.parts[cm.QAT_COPIES] < 1.1
+
+
+def test_the_qat_weights_once_a_step_in_rl_smoke():
+    """c60489a: inside the trainer's schedule each QAT weight is quantised once a step and the micro-batches share
+    that one value. The rl_smoke rows measured before it say `"weight_qdq": "micro_batch"` and keep 1a5ac28's
+    predictions (76ff1a9: 2.462 s, train 1.869, 56.3 GiB; 2026-12-01: 2.512 s). Today's code (the gap row
+    `rl_smoke (c60489a)`, the same shape) pays the 44,934 ops once, not 4 times, and a look-up of the stored value a
+    weight and micro-batch (129 weights): train 1.869 - 3 x 44,934 x 9.155 us + 4 x 129 x 9.155 us = 0.639 s, the
+    step 1.233. Memory: one copy for the step, and at EP 1 the routed experts' too (the store keeps theirs past the
+    grouped GEMM's stacking, which freed them before): 1.0 + 4 x 8 x 3 x 2048 x 4096 x 2 bytes (1.5) = 2.5 GiB."""
+    h = cm.rates_for("H200").host_op_s
+    cases = {c.name: c for c in cm.validation_cases()}
+    then, now = cases["rl_smoke (76ff1a9)"], cases["rl_smoke (c60489a)"]
+    assert then.workload == {"weight_qdq": "micro_batch"} and cases["rl_smoke"].workload["weight_qdq"] == "micro_batch"
+    assert now.source == "gap" and now.workload == {} and now.command == then.command
+    same = lambda c: (c.rl, c.layout, c.seq_len, c.global_batch, c.overrides)     # noqa: E731
+    assert same(now) == same(then)
+    old, new = cm.case_prediction(then)[0], cm.case_prediction(now)[0]
+    train = lambda p: cm._quantity(p, "train_s")                   # noqa: E731
+    # the rows of the code before: what 1a5ac28 predicted
+    assert (old.step_s, train(old), old.peak_gib) == pytest.approx((2.462, 1.869, 56.313), abs=1e-3)
+    assert cm.case_prediction(cases["rl_smoke"])[0].step_s == pytest.approx(2.512, abs=1e-3)
+    # today's: the ops once a step, a look-up a weight and micro-batch; every other part as it was
+    shape, lay = cm.model_shape("4layer", ("n_routed_experts=8",), 16), cm.Layout(micro_batch=32)
+    ops, weights = 44934, 129
+    assert sum(cm.qat_weights(b, lay) for b in shape.layers) == weights
+    assert old.time[cm.QAT_OPS] == pytest.approx(4 * ops * h) and cm.QAT_LOOKUPS not in old.time
+    assert new.time[cm.QAT_OPS] == pytest.approx(ops * h) == pytest.approx(0.411, abs=1e-3)
+    assert new.time[cm.QAT_LOOKUPS] == pytest.approx(4 * weights * cm.QDQ_LOOKUP_OPS * h)
+    rest = lambda p: {k: v for k, v in p.time.items() if not k.startswith("FP8 QAT")}   # noqa: E731
+    assert rest(new) == rest(old)
+    assert train(new) == pytest.approx(train(old) - 3 * ops * h + 4 * weights * h)
+    assert (new.step_s, train(new)) == pytest.approx((1.233, 0.639), abs=1e-3)
+    # memory: one copy for the step, the experts' values kept
+    experts = 4 * 8 * 3 * 2048 * 4096 * 2 / GiB
+    assert old.memory.parts[cm.QAT_COPIES] == pytest.approx(1.0, abs=0.01)
+    assert new.memory.parts[cm.QAT_COPIES] - old.memory.parts[cm.QAT_COPIES] == pytest.approx(experts) == 1.5
+    assert new.peak_gib - old.peak_gib == pytest.approx(1.5)
+    # `v4 plan calibration` lists the gap by part, with the command that measures it
+    rows = {r["quantity"]: r for r in cm.validation_table() if r["name"] == "rl_smoke (c60489a)"}
+    assert set(rows) == {"peak GiB", "s/step", "s/step: rollout", "s/step: train", "s/step: weight sync"}
+    assert all(r["verdict"].startswith("GAP") and r["measured"] is None for r in rows.values())
+    assert rows["s/step: train"]["predicted"] == pytest.approx(train(new))
+
+
+def test_the_qat_weights_once_a_step_at_flash_scale():
+    """rl_dryrun on h200_template (Flash at TP8 PP8 EP8 DP2, 4/6x6/3, 128 micro-batches of one sequence a step on
+    each pipeline): quantised at every micro-batch, the QAT was 59 % of the predicted step (205 s of 345: stage 1's
+    175,050 ops a micro-batch 128 times; the other stages' once, in the fill) and its saved copies 65 GiB of stage 1
+    (7 micro-batches in flight, each a 9.3 GiB copy of 6 layers' FP8 linears: 32 experts a layer at EP 8). Once a
+    step: every stage's ops once, on the first micro-batch's path through the pipeline (1,254,378 over the 43
+    layers: 11.5 s, 8 % of 142.5), and one 9.3 GiB copy; stage 1 then holds 214.9 GiB, of which the colocated
+    engine's 98.7 is what does not fit."""
+    cfg = resolve(Selection(cluster="h200_template", preset="rl_dryrun", environ={}))
+    v = cfg.values
+    shape = cm.model_shape(v["PRESET_MODEL"], tuple(v["PRESET_MODEL_OVERRIDES"]), v["PRESET_SEQ_LEN"])
+    hw = cm.hardware_from_config(cfg, v["PRESET_GPUS_PER_NODE"] or v["V4_NUM_GPUS_PER_NODE"])
+    lay, wl = cm.layout_from_config(cfg, cfg.derived["PP_STAGE_LAYERS"].value), cm.workload_from_config(cfg)
+    assert lay.name() == "TP8 PP8 CP1 EP8 ETP1 DP2 4/6x6/3 mb1" and wl.weight_qdq == "step"
+    assert cm.micro_batches(lay, wl) == 128 and cm.in_flight(lay, 1, 128) == 7
+    new = cm.predict_config(cfg)
+    old = cm.predict(shape, lay, replace(wl, weight_qdq="micro_batch"), hw)
+    h = hw.rates.host_op_s
+    ops = [cm.stage_qat(shape, lay, s, wl) for s in range(lay.pp)]
+    assert ops[1] == 175050 and sum(ops) == sum(cm.qat_ops(b, lay) for b in shape.layers) == 1254378
+    assert old.time[cm.QAT_OPS] == pytest.approx(128 * ops[1] * h)        # the others' once: the fill, in the bubble
+    assert new.time[cm.QAT_OPS] == pytest.approx(sum(ops) * h)
+    assert old.time[cm.QAT_OPS] / old.step_s == pytest.approx(0.594, abs=0.001)
+    assert (old.step_s, new.step_s) == pytest.approx((345.3, 142.5), abs=0.1)
+    copy = sum(cm.qat_copy_bytes(b, lay) * n for b, n in cm._stage_kinds(shape, lay, 1, wl, None)) / GiB
+    assert old.memory.stage == new.memory.stage == 1 and copy == pytest.approx(9.29, abs=0.01)
+    assert old.memory.parts[cm.QAT_COPIES] == pytest.approx(7 * copy) and new.memory.parts[cm.QAT_COPIES] == copy
+    assert (old.peak_gib, new.peak_gib) == pytest.approx((270.6, 214.9), abs=0.05)
+    assert "memory, rollout engine:" in new.overflow and "memory, Adam state" in old.overflow
+
+
+def test_the_qat_point_quantises_once_inside_the_step():
+    """Inside the trainer's dsv4.stepmemo.weights_fixed() the first QAT call on a weight dispatches the ops the model
+    charges once a step (fp8_qdq_ops) and every later one none (a view of the stored value), the same value each
+    time, and the gradient still reaches the weight."""
+    import torch
+
+    from dsv4 import quant, stepmemo
+    for shape in ((1024, 1024), (256, 8192)):
+        w = torch.nn.Parameter((torch.randn(*shape) * 0.02).to(torch.bfloat16))
+        with stepmemo.weights_fixed():
+            out = []
+            assert _count_ops(lambda: out.append(quant.fp8_weight_qdq(w))) == cm.fp8_qdq_ops(*shape)
+            assert _count_ops(lambda: out.append(quant.fp8_weight_qdq(w))) == 0
+            assert out[0].data_ptr() == out[1].data_ptr()
+            (out[0].float().sum() + out[1].float().sum()).backward()
+        assert torch.equal(w.grad, torch.full_like(w, 2))
 
 
 def test_the_halves_kept_for_the_step_are_the_measured_growth():
