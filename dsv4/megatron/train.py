@@ -527,10 +527,11 @@ class Trainer:
     def eval_loss(self, micro_batches: list[dict]) -> tuple[float, int]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         self.ddp.eval()
-        store = get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
-            num_microbatches=len(micro_batches), seq_length=self.tc.seq_len,
-            micro_batch_size=self.tc.micro_batch_size, forward_only=True)
+        with stepmemo.weights_fixed():      # as in a training step: no weight changes across the micro-batches
+            store = get_forward_backward_func()(
+                forward_step_func=self._forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
+                num_microbatches=len(micro_batches), seq_length=self.tc.seq_len,
+                micro_batch_size=self.tc.micro_batch_size, forward_only=True)
         loss, _, n = self._reduce_losses(store)
         return loss, n
 
