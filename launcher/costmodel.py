@@ -86,7 +86,7 @@ GRAD_CHECK = "transient: gradient finite check"
 # kv and gate projections). split() moves 30 bytes an element: hi = w.to(bf16) reads 4 and writes 2, hi.float()
 # reads 2 and writes 4, w - hi reads 8 and writes 4, lo = that.to(bf16) reads 4 and writes 2; where the halves are
 # not kept, the backward (fp32_gemm=bf16x3_fwd) casts the weight again, w.to(bf16): 6 more. FP32_SPLITS: "step",
-# split_gemm.reuse_halves (the trainer since 76ff1a9): each weight split once a step, at the first micro-batch's
+# split_gemm.weight_halves under stepmemo.weights_fixed() (the trainer since 76ff1a9): each weight split once a step, at the first micro-batch's
 # forward; "micro_batch", the code before: split at every forward, cast at every backward
 SPLIT_BYTES = 30
 SPLIT_BACKWARD_BYTES = 6
@@ -742,7 +742,7 @@ def _head_activations(shape: ModelShape, lay: Layout, wl: Workload) -> tuple[flo
     """(saved, transient) bytes of the last stage's head for one micro-batch: hc_head, the gathered norm output,
     the fp32 vocab-parallel logits kept for the cross-entropy; transient: their gradient and the split GEMM's two
     bf16 halves of the fp32 head weight. The halves are what the trainer holds at the head's backward since
-    76ff1a9 (split_gemm.reuse_halves keeps them from the first micro-batch's forward to the end of the backward);
+    76ff1a9 (split_gemm.weight_halves under stepmemo.weights_fixed() keeps them from the first micro-batch's forward to the end of the backward);
     the code before made them at each forward and only the hi half again for the backward. The fit is of that code
     (plan_calibration.jsonl, 1272d54) and its scale and workspace absorbed the lo half it did not hold; today's
     code measured 1.0 GiB more at the 32-expert shape (108.2 -> 109.2 GiB: the lo half, 0.99 GiB, and the
@@ -1127,7 +1127,7 @@ def _step_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: 
     time["TP replicated-grad all-reduce"] = tp_grad
     time["optimizer"] = _optimizer_seconds(shape, lay, wl, hw, slow, ctx)
     if wl.fp32_split == "step":
-        # split_gemm.reuse_halves: each fp32 weight split once, at the first micro-batch's forward
+        # split_gemm.weight_halves under stepmemo.weights_fixed(): each fp32 weight split once, at the first micro-batch's forward
         time["fp32 weight splits"] = split_elements(shape, lay, slow, wl, ctx) * SPLIT_BYTES / (
             hw.rates.stream_gbps * 1e9)
     if fp8_qat(shape, wl) and wl.weight_qdq == "step":

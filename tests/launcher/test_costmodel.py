@@ -518,7 +518,7 @@ def test_the_qat_point_quantises_once_inside_the_step():
 
 
 def test_the_halves_kept_for_the_step_are_the_measured_growth():
-    """split_gemm.reuse_halves (76ff1a9) keeps each fp32 weight's two bf16 halves from the first micro-batch's forward
+    """split_gemm.weight_halves under stepmemo.weights_fixed() (76ff1a9) keeps each fp32 weight's two bf16 halves from the first micro-batch's forward
     to the end of the step's backward; the code before made both at every forward and only the hi half again for the
     backward. At the step's peak, the head's backward, that is the lo half more (129,280 x 4096 x 2 bytes, 0.99 GiB)
     and the compressors' halves (0.05): the 1.0 GiB the 32-expert shape grew by (108.2 -> 109.2 GiB). The model's
