@@ -1,13 +1,12 @@
 """A hung training step end to end: `v4 run --preset smoke` on CPU with two gloo ranks, rank 1 planted to sleep before
 the loss all-reduce of step 2 (PRESET_PLANT_HANG) while rank 0 waits inside it. The hang watchdog
 (launcher/watchdog.py) must take both ranks' stacks into RUN/hang, name rank 1, stop the job and exit 124 -- under the
-local executor and as a Ray job on a local Ray cluster (ports of its own). Without the watchdog the same run would
-wait for PRESET_JOB_TIMEOUT (600 s here) and say nothing of a rank."""
+local executor and as a Ray job on the local Ray cluster the pipeline tests share (conftest.py). Without the watchdog
+the same run would wait for PRESET_JOB_TIMEOUT (600 s here) and say nothing of a rank."""
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,26 +20,6 @@ pytestmark = pytest.mark.slow
 HANG = ("--set", "V4_NUM_GPUS_PER_NODE=2", "--set", "PRESET_PLANT_HANG=1:2", "--set", "PRESET_HANG_TIMEOUT=12",
         "--set", "PRESET_JOB_TIMEOUT=600", "--set", "PRESET_GATES=finite_loss", "--set", "PRESET_MAX_RESTARTS=0",
         "--set", "PRESET_STEPS=weights prepare_data dequantize convert train")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    """One work directory (later runs reuse the generated and converted checkpoint) and a local Ray of its own."""
-    work = tmp_path_factory.mktemp("hang")
-    local = f"/tmp/v4h-{work.name[-6:]}"            # short: Ray's socket paths live below it
-    sets = (f"V4_WORK={work}", f"V4_LOCAL_DIR={local}", "V4_RAY_NUM_CPUS=3", f"V4_RAY_PORT={free_port()}",
-            f"V4_DASHBOARD_PORT={free_port()}", f"V4_RAY_CLIENT_PORT={free_port()}", f"V4_DIST_PORT={free_port()}")
-    flags = tuple(x for s in sets for x in ("--set", s))
-    yield work, flags
-    subprocess.run([sys.executable, "-m", "launcher", "cluster", "down", "--hw", "cpu", *flags], cwd=ROOT,
-                   capture_output=True, text=True, timeout=300)
-    subprocess.run(["rm", "-rf", local])
 
 
 def v4(flags, *args, timeout=900):
@@ -57,8 +36,8 @@ def pid_alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("executor", ["local", "ray"])
-def test_a_planted_hang_is_dumped_named_and_stopped(work, executor):
-    work, flags = work
+def test_a_planted_hang_is_dumped_named_and_stopped(ray_work, executor):
+    work, flags = ray_work         # one work directory: the ray run reuses the local run's converted checkpoint
     t0 = time.monotonic()
     r = v4(flags, "run", "--preset", "smoke", "--set", f"V4_EXECUTOR={executor}", *HANG)
     elapsed = time.monotonic() - t0

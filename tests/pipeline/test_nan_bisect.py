@@ -40,8 +40,8 @@ def planted_run(work: Path, plant: str, *sets: str) -> Path:
     return run
 
 
-def bisect(work: Path, run: Path):
-    r = v4(work, "nan", "bisect", run.name, "--json")
+def bisect(work: Path, run: Path, *flags: str):
+    r = v4(work, "nan", "bisect", run.name, "--json", *flags)
     report = json.loads(r.stdout) if r.stdout.strip() else None
     return r, report
 
@@ -183,23 +183,21 @@ def _token_in_one_row(run: Path) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_rungs_run_as_ray_jobs_under_the_ray_executor(tmp_path_factory):
-    """The run's own executor: the train step a Ray job on the local Ray cluster, and so is every rung; the fault
-    is one that only FP8 GEMM inputs set off, so the FP8 rung is the culprit."""
-    work = tmp_path_factory.mktemp("nanray")
-    try:
-        r = v4(work, "run", "--preset", "smoke", "--force", "--set", "PRESET_PLANT_NAN=layers.1.attn:3@fp8",
-               "--set", "PRESET_MODEL_OVERRIDES=fp8_gemm_inputs=1")
-        assert r.returncode == 16, r.stderr[-3000:]
-        run = max((work / "runs").glob("stageA-*"), key=lambda p: p.stat().st_mtime)
-        r, report = bisect(work, run)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert "rungs as Ray jobs on the cluster" in r.stderr
-        check_report(run, report, "layers.1.attn:3@fp8", "fp8_off")
-        log = (run / "nan-bisect/rungs/fp8_off/log").read_text()
-        assert "nan replay: step 3" in log
-    finally:
-        v4(work, "cluster", "down")
+def test_rungs_run_as_ray_jobs_under_the_ray_executor(ray_work):
+    """The run's own executor: the train step a Ray job on the local Ray cluster (the pipeline tests' shared one,
+    conftest.py; a work directory of this test's own), and so is every rung; the fault is one that only FP8 GEMM
+    inputs set off, so the FP8 rung is the culprit."""
+    work, flags = ray_work
+    r = v4(work, "run", "--preset", "smoke", "--force", "--set", "PRESET_PLANT_NAN=layers.1.attn:3@fp8",
+           "--set", "PRESET_MODEL_OVERRIDES=fp8_gemm_inputs=1", *flags)
+    assert r.returncode == 16, r.stderr[-3000:]
+    run = max((work / "runs").glob("stageA-*"), key=lambda p: p.stat().st_mtime)
+    r, report = bisect(work, run, *flags)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rungs as Ray jobs on the cluster" in r.stderr
+    check_report(run, report, "layers.1.attn:3@fp8", "fp8_off")
+    log = (run / "nan-bisect/rungs/fp8_off/log").read_text()
+    assert "nan replay: step 3" in log
 
 
 @pytest.mark.slow

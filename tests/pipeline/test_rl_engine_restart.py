@@ -1,14 +1,14 @@
-"""A rollout engine killed mid-run, end to end: `v4 run --preset rl_smoke` on CPU as a Ray job on a local Ray cluster
-(ports of its own), the engine a `v4 rl serve` process beside rank 0 (V4_ROLLOUT_ENGINE=server). Once step 2's row
-is in metrics.jsonl the test SIGKILLs the server. The job must start it again, push it the current weights, roll the
-lost step out again and finish, learning as before, and the run's registry tell the restart (`v4 runs show`). (Without
-a restart the kill fails the job naming the lost engine: tests/rl/test_engine_restart.py, in seconds.)"""
+"""A rollout engine killed mid-run, end to end: `v4 run --preset rl_smoke` on CPU as a Ray job on the local Ray cluster
+the pipeline tests share (conftest.py), the engine a `v4 rl serve` process beside rank 0 (V4_ROLLOUT_ENGINE=server).
+Once step 2's row is in metrics.jsonl the test SIGKILLs the server. The job must start it again, push it the current
+weights, roll the lost step out again and finish, learning as before, and the run's registry tell the restart
+(`v4 runs show`). (Without a restart the kill fails the job naming the lost engine: tests/rl/test_engine_restart.py,
+in seconds.)"""
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,26 +25,6 @@ RUN = ("--preset", "rl_smoke", "--set", "V4_EXECUTOR=ray", "--set", "V4_ROLLOUT_
        "--set", "PRESET_NUM_STEPS=5", "--set", "PRESET_RL_GATE_WINDOW=2", "--set", "PRESET_RL_REWARD_RISE=0.15",
        "--set", "PRESET_RL_SYNC=disk",
        "--set", "PRESET_JOB_TIMEOUT=600", "--json")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    """A work directory and a local Ray of its own."""
-    work = tmp_path_factory.mktemp("rlrestart")
-    local = f"/tmp/v4r-{work.name[-6:]}"            # short: Ray's socket paths live below it
-    sets = (f"V4_WORK={work}", f"V4_LOCAL_DIR={local}", "V4_RAY_NUM_CPUS=3", f"V4_RAY_PORT={free_port()}",
-            f"V4_DASHBOARD_PORT={free_port()}", f"V4_RAY_CLIENT_PORT={free_port()}", f"V4_DIST_PORT={free_port()}")
-    flags = tuple(x for s in sets for x in ("--set", s))
-    yield work, flags
-    subprocess.run([sys.executable, "-m", "launcher", "cluster", "down", "--hw", "cpu", *flags], cwd=ROOT,
-                   capture_output=True, text=True, timeout=300)
-    subprocess.run(["rm", "-rf", local])
 
 
 def rows(run: Path) -> list[dict]:
@@ -83,8 +63,8 @@ def run_and_kill(work: Path, flags, *extra) -> tuple[subprocess.CompletedProcess
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), run, killed
 
 
-def test_a_killed_rollout_server_is_restarted_and_the_run_goes_on(work):
-    work, flags = work
+def test_a_killed_rollout_server_is_restarted_and_the_run_goes_on(ray_work):
+    work, flags = ray_work
     r, run, killed = run_and_kill(work, flags)
     assert r.returncode == 0, r.stderr[-4000:]
     summary = json.loads(r.stdout)

@@ -1,6 +1,7 @@
-"""The RL stage end to end on the embedded default: `v4 run --preset rl_smoke` on CPU (generate -> dequantize ->
-convert -> GRPO with the embedded engine in the trainer's process) learns the echo task and passes its gates;
-a killed RL run resumes from its last checkpoint with the same prompts and sampling seeds."""
+"""The RL stage end to end on the embedded default, on the local Ray cluster the pipeline tests share (conftest.py):
+`v4 run --preset rl_smoke` on CPU (generate -> dequantize -> convert -> GRPO with the embedded engine in the
+trainer's process) learns the echo task and passes its gates; a killed RL run resumes from its last checkpoint with
+the same prompts and sampling seeds."""
 from __future__ import annotations
 
 import json
@@ -15,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def v4(work: Path, *args, env=None, timeout=900):
-    cmd = [sys.executable, "-m", "launcher", *args, "--hw", "cpu", "--set", f"V4_WORK={work}", "--force"]
+def v4(work: tuple[Path, tuple[str, ...]], *args, env=None, timeout=900):
+    """`v4 ARGS` in the module's work directory, on the local Ray the pipeline tests share (conftest.py)."""
+    cmd = [sys.executable, "-m", "launcher", *args, "--hw", "cpu", *work[1], "--force"]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
@@ -26,10 +28,9 @@ def metrics(run: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    work = tmp_path_factory.mktemp("rl")
-    yield work
-    v4(work, "cluster", "down", timeout=300)
+def work(ray_work):
+    """(work directory, flags): its later runs reuse the checkpoint its first one generated and converted."""
+    return ray_work
 
 
 def test_rl_smoke_learns_and_passes_its_gates(work):
@@ -66,7 +67,7 @@ def test_a_killed_rl_run_resumes_with_the_same_prompts_and_seeds(work):
     straight = metrics(Path(json.loads(whole.stdout)["run_dir"]))
     killed = v4(work, "run", "--preset", "rl_smoke", *common, env={"V4_KILL_AT_STEP": "5"})
     assert killed.returncode != 0 and "V4_KILL_AT_STEP=5" in killed.stderr, killed.stderr[-3000:]
-    run = sorted((work / "runs").glob("stageRL-*"), key=lambda p: p.stat().st_mtime)[-1]
+    run = sorted((work[0] / "runs").glob("stageRL-*"), key=lambda p: p.stat().st_mtime)[-1]
     assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4]
     resumed = v4(work, "run", "--preset", "rl_smoke", "--resume", run.name, *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
