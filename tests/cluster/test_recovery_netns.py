@@ -67,14 +67,17 @@ def made(netns_cluster, ports):
     """The cluster files this module made; whatever Ray they brought up is stopped at the end."""
     files: list[Path] = []
     yield files
-    for f in files:
-        try:
-            cluster.down(resolve(Selection(cluster=str(f), hw="cpu")), progress=lambda m: None)
-        except Exception:   # noqa: BLE001 - teardown: the netns teardown kills what is left
-            pass
     for h in netns_cluster.hosts:                       # a host killed by a test gets its sshd back
         if h.sshd is None or h.sshd.poll() is not None:
             netns_cluster.start_sshd(h)
+    # Every file has the module's ports and V4_LOCAL_DIR, so each node keeps what any of them started in one state
+    # directory (launcher.cluster.ray_state_dir): one `down` over all the hosts stops it all.
+    if files:
+        try:
+            cluster.down(resolve(Selection(cluster=str(netns_cluster.env_file(netns_cluster.root / "all.env", **ports)),
+                                           hw="cpu")), progress=lambda m: None)
+        except Exception:   # noqa: BLE001 - teardown: the netns teardown kills what is left
+            pass
 
 
 def cluster_file(c, made, ports, name: str, **values) -> Path:
@@ -277,8 +280,9 @@ def test_a_worker_off_the_network_is_named_from_the_gcs(netns_cluster, made, por
     link = f"v4eth{w2.index}"
     out = {}
 
-    def cut():
-        time.sleep(8)
+    def cut():            # once the job runs
+        c = jobs.client(cfg)
+        wait_for(lambda: jobs.job_status(cfg, job.submission_id, c) == "RUNNING", 120, "the job to run")
         out["t"] = time.time()
         subprocess.run(["ip", "netns", "exec", w2.ns, "ip", "link", "set", link, "down"], check=True)
 
