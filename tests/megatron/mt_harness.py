@@ -106,8 +106,14 @@ def _worker(rank: int, world: int, port: int, specs: list[Spec], out_dir: str, d
 def run(specs: list[Spec], world: int, out_dir: Path, device: str = "cpu") -> dict[str, dict]:
     """Run `specs` one after another in `world` processes (one GPU each on cuda); returns {spec name:
     assembled result}."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(world, free_port(), specs, str(out_dir), device), nprocs=world, join=True)
+    unset = "OMP_NUM_THREADS" not in os.environ
+    if unset:                      # for the spawned ranks (they inherit this process's environment), not for later tests
+        os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.spawn(_worker, args=(world, free_port(), specs, str(out_dir), device), nprocs=world, join=True)
+    finally:
+        if unset:
+            del os.environ["OMP_NUM_THREADS"]
     return {s.name: assemble(out_dir, s.name, world) for s in specs}
 
 
