@@ -19,7 +19,7 @@ __all__ = ["ModelConfig", "PRESETS", "RUNTIME_SWITCHES", "parse_overrides"]
 
 # fields that choose only how the same math runs (kernels, precision of a GEMM's partial products, compilation):
 # `v4 bench step --compare` switches them on one trainer
-RUNTIME_SWITCHES = ("attn_impl", "fp32_gemm", "moe_impl", "compiled")
+RUNTIME_SWITCHES = ("attn_impl", "fp32_gemm", "moe_impl", "compiled", "head_loss")
 COMPILED_REGIONS = ("hc", "attn", "moe", "norm")
 
 
@@ -92,8 +92,14 @@ class ModelConfig:
     # the routed experts in training (EP = 1) on CUDA: "grouped" = one grouped GEMM (torch._grouped_mm) per weight
     # over all experts, the weight gradients added straight into megatron's fp32 main_grad by one accumulating GEMM
     # per expert; "grouped_autograd" = the same forward, bf16 weight gradients that megatron's hook then adds (the
-    # A/B baseline); "loop" = one GEMM per expert, as the reference (and a CPU) runs them
+    # A/B baseline); "grouped_triton" = the same forward, every expert's weight gradient accumulated into its
+    # main_grad by one Triton grouped GEMM (dsv4/kernels/triton_grouped_wgrad.py); "loop" = one GEMM per expert, as
+    # the reference (and a CPU) runs them
     moe_impl: str = "grouped"
+    # the LM head's loss at TP = 1 on CUDA: "eager" = fp32 logits, then F.cross_entropy (log-softmax kept for the
+    # backward); "fused" = the head GEMM and the cross-entropy as one autograd function that keeps what the
+    # backward needs in bf16 and writes the logits' gradient in bf16 (dsv4/kernels/head_loss.py)
+    head_loss: str = "eager"
     indexer_loss_coeff: float = 0.0      # weight of the KL indexer loss that trainers add (the model only reports it)
     seed: int = 0                        # deterministic initialisation
 
@@ -152,8 +158,10 @@ class ModelConfig:
             errs.append(f"attn_impl={self.attn_impl!r}: one of torch, tilelang")
         if self.fp32_gemm not in ("fp32", "bf16x3", "bf16x3_fwd"):
             errs.append(f"fp32_gemm={self.fp32_gemm!r}: one of fp32, bf16x3, bf16x3_fwd")
-        if self.moe_impl not in ("loop", "grouped", "grouped_autograd"):
-            errs.append(f"moe_impl={self.moe_impl!r}: one of loop, grouped, grouped_autograd")
+        if self.moe_impl not in ("loop", "grouped", "grouped_autograd", "grouped_triton"):
+            errs.append(f"moe_impl={self.moe_impl!r}: one of loop, grouped, grouped_autograd, grouped_triton")
+        if self.head_loss not in ("eager", "fused"):
+            errs.append(f"head_loss={self.head_loss!r}: one of eager, fused")
         if not set(self.compiled_regions) <= set(COMPILED_REGIONS):
             errs.append(f"compiled={self.compiled!r}: regions joined by '+', from {', '.join(COMPILED_REGIONS)} "
                         "(or none)")

@@ -25,6 +25,7 @@ from dsv4 import model as ref
 from dsv4 import quant
 from dsv4.config import ModelConfig
 from dsv4.kernels import reference as kref
+from dsv4.stepmemo import Memo, weight_key
 from dsv4.megatron import cp_attention as cpa
 from dsv4.megatron.parallel import (CPSplit, Ranks, cp_all_reduce_nograd, mark_expert, mark_replicated, mark_tp,
                                     sp_gather, sp_reduce_scatter, sp_slice, tp_all_gather_nograd)
@@ -338,6 +339,9 @@ class _HostOffsets:
         return self._bounds
 
 
+_STACKS = Memo("expert stacks")
+
+
 class _ExpertGemm(torch.autograd.Function):
     """a @ W_e^T for each expert's rows (one grouped GEMM), whose backward adds each expert's weight gradient
     straight into its fp32 `main_grad` (megatron's gradient buffer) with one GEMM per expert accumulating in its
@@ -348,7 +352,8 @@ class _ExpertGemm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, offs: torch.Tensor, host: _HostOffsets, *weights: torch.Tensor):
-        stacked = torch.stack(weights)                                          # [E, out, in]
+        # [E, out, in], once a step under stepmemo.weights_fixed(): a step's micro-batches read the same weights
+        stacked = _STACKS.get(tuple(weight_key(w) for w in weights), lambda: torch.stack(weights))
         ctx.save_for_backward(a, offs, stacked)
         ctx.host, ctx.weights = host, weights
         return torch._grouped_mm(a, stacked.transpose(1, 2), offs=offs)
@@ -376,8 +381,9 @@ def _accumulates_in_main_grad(weights: list[torch.Tensor], a: torch.Tensor) -> b
 class GroupedExperts(nn.Module):
     """Experts' FFNs on rows grouped by expert (offs: each group's end), each of w1, w3, w2 one grouped GEMM over
     all experts (torch._grouped_mm) where the reference runs three GEMMs per expert. The experts' weights are
-    stacked at each call, through their QAT points: a copy of the layer's routed weights (the GEMMs read them once
-    more anyway). Under megatron's DDP the weight gradients go straight into main_grad (_ExpertGemm). No
+    stacked into one operand, a copy of the layer's routed weights: under megatron's DDP once a step, for all its
+    micro-batches (_ExpertGemm, which also sends the weight gradients straight into main_grad); through their QAT
+    points at each call. No
     parameters of its own: the experts stay the reference modules, by their official names."""
 
     def __init__(self, cfg: ModelConfig):

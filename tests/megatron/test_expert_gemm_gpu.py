@@ -71,3 +71,35 @@ def test_plain_path_without_main_grad():
     with torch.no_grad():
         assert not layers._accumulates_in_main_grad(ws, a)
     assert layers._accumulates_in_main_grad(ws, a)
+
+
+def test_expert_stack_once_a_step():
+    """Under stepmemo.weights_fixed() (the trainer's step) the experts' weights are stacked once for all the
+    micro-batches: the same outputs and main_grad bits as stacking at every call, one stack made."""
+    from dsv4.stepmemo import weights_fixed
+    E, out, inp = 4, 128, 256
+    counts = torch.tensor([30, 0, 50, 20])
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    mbs = [(torch.randn(100, inp, device="cuda", generator=g).bfloat16(),
+            torch.randn(100, out, device="cuda", generator=g).bfloat16()) for _ in range(3)]
+
+    def run(ws, memo: bool):
+        ys = []
+        with weights_fixed() if memo else torch.enable_grad():
+            for a, dy in mbs:
+                a = a.clone().requires_grad_()
+                y = layers._ExpertGemm.apply(a, offs, layers._HostOffsets(offs), *ws)
+                y.backward(dy)
+                ys.append((y.detach(), a.grad))
+            if memo:
+                assert len(layers._STACKS.store) == 1
+        return ys
+
+    every, once = _weights(E, out, inp), _weights(E, out, inp)
+    for (y1, g1), (y2, g2) in zip(run(every, False), run(once, True)):
+        assert torch.isfinite(y1).all() and torch.isfinite(g1).all()
+        assert torch.equal(y1, y2) and torch.equal(g1, g2)
+    for w1, w2 in zip(every, once):
+        assert torch.isfinite(w1.main_grad).all() and torch.equal(w1.main_grad, w2.main_grad)
+    assert layers._STACKS.store is None                                # nothing held past the step
