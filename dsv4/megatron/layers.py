@@ -25,6 +25,7 @@ from dsv4 import model as ref
 from dsv4 import quant
 from dsv4.config import ModelConfig
 from dsv4.kernels import reference as kref
+from dsv4.kernels import triton_grouped_wgrad
 from dsv4.stepmemo import Memo, weight_key
 from dsv4.megatron import cp_attention as cpa
 from dsv4.megatron.parallel import (CPSplit, Ranks, cp_all_reduce_nograd, mark_expert, mark_replicated, mark_tp,
@@ -351,7 +352,9 @@ class _ExpertGemm(torch.autograd.Function):
     which needs TransformerEngine or apex, does the same for its own linears)."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, offs: torch.Tensor, host: _HostOffsets, *weights: torch.Tensor):
+    def forward(ctx, a: torch.Tensor, offs: torch.Tensor, host: _HostOffsets | None, *weights: torch.Tensor):
+        """host None: the weight gradients by one Triton grouped GEMM (moe_impl=grouped_triton), which reads the
+        groups' bounds on the device."""
         # [E, out, in], once a step under stepmemo.weights_fixed(): a step's micro-batches read the same weights
         stacked = _STACKS.get(tuple(weight_key(w) for w in weights), lambda: torch.stack(weights))
         ctx.save_for_backward(a, offs, stacked)
@@ -362,6 +365,9 @@ class _ExpertGemm(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         a, offs, stacked = ctx.saved_tensors
         da = torch._grouped_mm(dy, stacked, offs=offs) if ctx.needs_input_grad[0] else None
+        if ctx.host is None:
+            triton_grouped_wgrad.accumulate(dy.contiguous(), a.contiguous(), offs, [w.main_grad for w in ctx.weights])
+            return (da, None, None) + (None,) * len(ctx.weights)
         b = ctx.host.bounds()
         for e, w in enumerate(ctx.weights):
             if b[e + 1] > b[e]:
@@ -398,9 +404,10 @@ class GroupedExperts(nn.Module):
             lin = [getattr(e, name) for e in experts]
             if lin[0].qat_input == "fp8":
                 a = quant.fp8_act_qdq(a, 128)
-            if (self.cfg.moe_impl == "grouped" and lin[0].qat_weight is None
+            if (self.cfg.moe_impl in ("grouped", "grouped_triton") and lin[0].qat_weight is None
                     and _accumulates_in_main_grad([m.weight for m in lin], a)):
-                host = host or _HostOffsets(offs)
+                if self.cfg.moe_impl == "grouped":
+                    host = host or _HostOffsets(offs)
                 return _ExpertGemm.apply(a, offs, host, *[m.weight for m in lin])
             stacked = torch.stack([m.qat_weight_value().to(a.dtype) for m in lin]).transpose(1, 2)   # [E, in, out]
             return torch._grouped_mm(a, stacked, offs=offs)
