@@ -111,7 +111,7 @@ def _is_comm(name: str) -> bool:
     return "nccl" in n or n.startswith("c10d::") or "all_reduce" in n or "allreduce" in n
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
+def union_us(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
         if b <= end:
@@ -231,7 +231,7 @@ def step_breakdown(events, wall_s: float) -> Breakdown:
         for _, t, part in _kernels(cpu, part_of, device):
             us[part] += t
             count[part] += 1
-        busy = _union_us([(e.time_range.start, e.time_range.end) for e in device])
+        busy = union_us([(e.time_range.start, e.time_range.end) for e in device])
         overlap = max(sum(us.values()) - busy, 0.0)
     else:   # CPU: each op's own time
         for e in cpu:

@@ -50,6 +50,71 @@ class DecodeRow:
 
 
 @dataclass
+class KernelRow:
+    name: str
+    us_per_step: float       # device time summed over its launches, per decode step
+    launches_per_step: float
+
+
+@dataclass
+class DecodeProfile:
+    mode: str
+    batch: int
+    steps: int
+    wall_ms: float           # per step, under the profiler (its overhead included)
+    busy_ms: float           # per step: the union of the device's kernels (on a CPU: the ops' own time)
+    kernels: list[KernelRow]
+    unit: str = "kernels"    # "ops" on a CPU
+
+    def table(self, top: int) -> str:
+        lines = [f"batch {self.batch} {self.mode}: {len(self.kernels)} {self.unit}, device busy {self.busy_ms:.3f} of "
+                 f"{self.wall_ms:.3f} ms a step under the profiler ({self.wall_ms - self.busy_ms:.3f} ms between "
+                 f"them)", f"{'us/step':>9} {'share':>6} {'launches':>8}  {self.unit[:-1]}"]
+        for k in self.kernels[:top]:
+            name = k.name if len(k.name) <= 100 else k.name[:97] + "..."
+            lines.append(f"{k.us_per_step:>9.1f} {k.us_per_step / 1e3 / self.busy_ms:>6.1%} "
+                         f"{k.launches_per_step:>8.1f}  {name}")
+        return "\n".join(lines)
+
+
+def profile_steps(run, positions, dev, mode: str, batch: int) -> DecodeProfile:
+    """The device's kernels over `run(p)` for each position, by name, per step: what a decode step spends its time
+    on. A CUDA graph's replay shows its kernels to the profiler one by one, as eager launches do; on a CPU the ops'
+    own times stand in for kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsv4.megatron import stepprof
+    positions = list(positions)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    _sync_dev(dev)
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        for p in positions:
+            run(p)
+        _sync_dev(dev)
+        wall = time.perf_counter() - t
+    events = list(prof.events())
+    device = stepprof.device_kernels(events)
+    total: dict[str, list] = {}
+    if device:
+        for e in device:
+            k = total.setdefault(e.name, [0.0, 0])
+            k[0] += e.time_range.elapsed_us()
+            k[1] += 1
+        busy = stepprof.union_us([(e.time_range.start, e.time_range.end) for e in device])
+    else:
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0:
+                k = total.setdefault(e.name, [0.0, 0])
+                k[0] += e.self_cpu_time_total
+                k[1] += 1
+        busy = sum(us for us, _ in total.values())
+    n = len(positions)
+    rows = sorted((KernelRow(name, us / n, c / n) for name, (us, c) in total.items()), key=lambda k: -k.us_per_step)
+    return DecodeProfile(mode, batch, n, wall / n * 1e3, busy / n / 1e3, rows, "kernels" if device else "ops")
+
+
+@dataclass
 class SyncRow:
     path: str
     tensors: int
@@ -123,10 +188,12 @@ MODES = ("graph", "uncompiled", "eager")
 
 
 def bench_decode(engine: EmbeddedEngine, batches: list[int], prompt_len: int, steps: int, warmup: int,
-                 bandwidth: float, say=print, modes=("graph",)) -> list[DecodeRow]:
+                 bandwidth: float, say=print, modes=("graph",),
+                 profiles: list[DecodeProfile] | None = None) -> list[DecodeRow]:
     """modes: "graph" (the engine's step: compiled regions in a CUDA graph), "uncompiled" (the same graph of
     the uncompiled regions), "eager" (the uncompiled step launched op by op). On a CPU there is no graph and
-    one "eager" set of rows is timed."""
+    one "eager" set of rows is timed. `profiles`: a list to append each row's kernel profile to (the timed
+    positions again, under the profiler, after the timing)."""
     model, dev = engine.model, engine.device
     V = model.cfg.vocab_size
     rows = []
@@ -160,6 +227,9 @@ def bench_decode(engine: EmbeddedEngine, batches: list[int], prompt_len: int, st
             kv = int(statistics.median(b[1] for b in byte_counts))
             roof = (w + kv) / bandwidth * 1e3
             rows.append(DecodeRow(mode, B, ms, B / ms * 1e3, w, kv, roof, roof / ms))
+            if profiles is not None:
+                profiles.append(profile_steps(lambda p, dec=dec: dec(ids[:, p], p),
+                                              range(prompt_len + warmup, total), dev, mode, B))
             say(f"[bench] batch {B:>3} {mode:<10}: {ms:8.2f} ms/step  {B / ms * 1e3:10.1f} tokens/s  "
                 f"roofline {roof:.3f} ms ({roof / ms:.1%})")
             del dec

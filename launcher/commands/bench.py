@@ -409,10 +409,13 @@ def append_records(records_dir: Path, file: str, device: str, records: list[dict
 @click.option("--eager", is_flag=True, help="shorthand for --modes graph,uncompiled,eager")
 @click.option("--sync", "sync_paths", default="tensor,tensor-fp8,disk,distributed", show_default=True,
               help="weight-update paths to time (empty: none)")
+@click.option("--profile-top", "profile_top", default=0, show_default=True, type=click.IntRange(min=0),
+              help="after timing each batch size and mode, profile the same steps and print the N kernels with the "
+                   "most device time a step, and the time between kernels (0: no profile)")
 @record_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON on stdout")
 def bench_rollout(device, model, model_overrides, attn_impl, rank_of, stage, layers, batches, prompt_len, steps,
-                  warmup, modes, eager, sync_paths, record, records_dir, as_json):
+                  warmup, modes, eager, sync_paths, profile_top, record, records_dir, as_json):
     """Decode tokens/s of the embedded rollout engine (its CUDA-graphed step, and with --eager the same step
     launched op by op) beside the HBM roofline of the same step, and the seconds and GB/s of each weight-update
     path. With --rank-of, the model is what one rank of an expert-parallel rollout holds (its stage's layers,
@@ -448,7 +451,8 @@ def bench_rollout(device, model, model_overrides, attn_impl, rank_of, stage, lay
                                                                   "experts" if rank else ""))
     engine = EmbeddedEngine(Transformer(cfg).to(dev), model_path=f"preset:{model}", seed=0)
     bw = rb.copy_bandwidth(engine.device)
-    rows = rb.bench_decode(engine, batch_sizes, plen, steps, warmup, bw, say, modes=modes)
+    profiles = [] if profile_top else None
+    rows = rb.bench_decode(engine, batch_sizes, plen, steps, warmup, bw, say, modes=modes, profiles=profiles)
     sync_rows = rb.bench_sync(engine, [p for p in sync_paths.split(",") if p], say)
     dev_name = torch.cuda.get_device_name() if cuda else "cpu"
     report = {"device": dev_name, "model": model, "overrides": overrides,
@@ -458,7 +462,9 @@ def bench_rollout(device, model, model_overrides, attn_impl, rank_of, stage, lay
               "compile_failed": rb.decode.GraphedStep.compile_failed,
               "decode": [{**asdict(r), "tokens_per_expert": r.batch * cfg.n_activated_experts / cfg.n_routed_experts}
                          for r in rows],
-              "sync": [asdict(r) for r in sync_rows]}
+              "sync": [asdict(r) for r in sync_rows],
+              "profiles": [{**asdict(p), "kernels": [asdict(k) for k in p.kernels[:profile_top]]}
+                           for p in profiles or []]}
     if record:
         shape = (f"{model} {' '.join(f'{k}={v}' for k, v in overrides.items())}, {cfg.n_layers} layers, "
                  f"{cfg.n_routed_experts} experts (top-{cfg.n_activated_experts}), {cfg.dtype}, prompt {plen}")
@@ -488,6 +494,8 @@ def bench_rollout(device, model, model_overrides, attn_impl, rank_of, stage, lay
     if report["compile_failed"]:
         click.echo(f"compiling the decode step failed, graphs uncompiled: {report['compile_failed']}")
     click.echo(rb.table(rows, bw))
+    for p in profiles or []:
+        click.echo(p.table(profile_top))
     if sync_rows:
         click.echo(f"{'weight update':<24} {'tensors':>7} {'GB':>8} {'s':>8} {'GB/s':>7}")
         for r in sync_rows:
