@@ -158,6 +158,29 @@ def hc_post(f: torch.Tensor, R: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return (post.unsqueeze(-1) * f.float().unsqueeze(2) + mixed).to(f.dtype)
 
 
+# forms of hc_mixes and hc_post for the GPU (training's compiled hyper-connections, the decode step): the same math
+def hc_mixes_split(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """hc_mixes with its GEMM split along K = hc*dim into chunks of 1024 (of dim, where dim is not a multiple of
+    1024), one batched GEMM plus a sum. The GEMM has only (2+hc)*hc = 24 columns: unsplit, cuBLAS tiles it into as
+    many blocks as there are 32-token row tiles and each block walks all of K (a few % of the GPU's bandwidth, ~60 ms
+    of the H200 smoke's step)."""
+    B, S, hc, d = X.shape
+    K, M = hc * d, fn.shape[0]
+    s = hc * (d // 1024) if d % 1024 == 0 else hc
+    xf = X.flatten(2).float()
+    raw = torch.bmm(xf.view(B * S, s, K // s).transpose(0, 1), fn.float().view(M, s, K // s).permute(1, 2, 0))
+    return raw.sum(0).view(B, S, M) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)
+
+
+def hc_post_unrolled(f: torch.Tensor, R: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """hc_post with C^T R as hc broadcast multiply-adds, which inductor fuses into the output's one kernel (the
+    einsum is a batched GEMM of [hc, hc] by [hc, dim] for every token: cuBLAS's small-matrix kernels)."""
+    out = post.unsqueeze(-1) * f.float().unsqueeze(2)
+    for j in range(R.shape[2]):
+        out = out + comb[..., j, :].unsqueeze(-1) * R[..., j, :].float().unsqueeze(2)
+    return out.to(f.dtype)
+
+
 def hc_head(X, fn, scale, base, hc_eps: float, norm_eps: float, mixes=hc_mixes) -> torch.Tensor:
     """Contract the hc streams to one: sum_j (sigmoid(mix_j * scale + base_j) + eps) X_j (weights not normalised)."""
     pre = torch.sigmoid(mixes(X, fn, norm_eps) * scale.float() + base.float()) + hc_eps
@@ -531,10 +554,11 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = MoE(layer_id, cfg)
 
-    def _hc_pre(self, X, sub, sinkhorn=sinkhorn):
+    def _hc_pre(self, X, sub, sinkhorn=sinkhorn, mixes=hc_mixes):
         c = self.cfg
         return hc_pre(X, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
-                      getattr(self, f"hc_{sub}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, sinkhorn)
+                      getattr(self, f"hc_{sub}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, sinkhorn,
+                      mixes)
 
     def forward(self, X: torch.Tensor, input_ids: torch.Tensor, want_indexer_loss: bool = False) -> torch.Tensor:
         x, post, comb = self._hc_pre(X, "attn")

@@ -101,31 +101,9 @@ class HCFunctions(NamedTuple):
     head: Callable
 
 
-def hc_mixes_split(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """ref.hc_mixes with its GEMM split along K = hc*dim into chunks of 1024 (of dim, where dim is not a multiple of
-    1024), one batched GEMM plus a sum. The GEMM has only (2+hc)*hc = 24 columns: unsplit, cuBLAS tiles it into as
-    many blocks as there are 32-token row tiles and each block walks all of K (a few % of the GPU's bandwidth, ~60 ms
-    of the H200 smoke's step)."""
-    B, S, hc, d = X.shape
-    K, M = hc * d, fn.shape[0]
-    s = hc * (d // 1024) if d % 1024 == 0 else hc
-    xf = X.flatten(2).float()
-    raw = torch.bmm(xf.view(B * S, s, K // s).transpose(0, 1), fn.float().view(M, s, K // s).permute(1, 2, 0))
-    return raw.sum(0).view(B, S, M) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)
-
-
-def hc_post_unrolled(f: torch.Tensor, R: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """ref.hc_post with C^T R as hc broadcast multiply-adds, which inductor fuses into the output's one kernel (the
-    einsum is a batched GEMM of [hc, hc] by [hc, dim] for every token: cuBLAS's small-matrix kernels)."""
-    out = post.unsqueeze(-1) * f.float().unsqueeze(2)
-    for j in range(R.shape[2]):
-        out = out + comb[..., j, :].unsqueeze(-1) * R[..., j, :].float().unsqueeze(2)
-    return out.to(f.dtype)
-
-
 EAGER_HC = HCFunctions(ref.hc_pre, ref.hc_post, ref.hc_head)
-FUSABLE_HC = HCFunctions(partial(ref.hc_pre, mixes=hc_mixes_split), hc_post_unrolled,
-                         partial(ref.hc_head, mixes=hc_mixes_split))
+FUSABLE_HC = HCFunctions(partial(ref.hc_pre, mixes=ref.hc_mixes_split), ref.hc_post_unrolled,
+                         partial(ref.hc_head, mixes=ref.hc_mixes_split))
 
 
 def q_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:

@@ -36,7 +36,8 @@ On a GPU the engine's step is faster than these functions run op by op, without 
 * the step's pure-torch parts are three kinds of regions around the attention kernel (`before_attention`,
   `after_attention`, `head_input`), which `GraphedStep` runs through torch.compile: inductor fuses the norms,
   rotations, routing and the MoE's elementwise work, and the Sinkhorn iterations run as one kernel
-  (dsv4/kernels/triton_sinkhorn.py). Fused intermediates stay in fp32 where eager rounds them to bf16, so the
+  (dsv4/kernels/triton_sinkhorn.py); the hyper-connections take training's GPU forms (`GPU_HC`: the fp32 mixes
+  GEMM split along K into one batched GEMM, C^T R as fused multiply-adds). Fused intermediates stay in fp32 where eager rounds them to bf16, so the
   compiled step differs from the eager one at bf16 level (tests/rl/test_engine_gpu.py holds both to the
   full forward's bounds).
 
@@ -63,7 +64,8 @@ from dsv4 import quant
 from dsv4.kernels import reference as kref
 from dsv4.kernels import sparse_attn, split_gemm, triton_sinkhorn
 from dsv4.model import (MoE, Attention, Block, Compressor, Transformer, _kv_fp8_qat, compress, fp32_linear, gated,
-                        grouped_output, hadamard, hc_head, hc_post, rms_norm, rope_cos_sin, rope_tail, sinkhorn)
+                        grouped_output, hadamard, hc_head, hc_mixes, hc_mixes_split, hc_post, hc_post_unrolled,
+                        rms_norm, rope_cos_sin, rope_tail, sinkhorn)
 
 
 class PoolState:
@@ -361,23 +363,43 @@ def _sinkhorn_for(X: torch.Tensor, hc: int):
     return triton_sinkhorn.sinkhorn if triton_sinkhorn.available(X, hc) else sinkhorn
 
 
+class HCForms(NamedTuple):
+    mixes: Callable
+    post: Callable
+
+
+REFERENCE_HC = HCForms(hc_mixes, hc_post)
+# as training's compiled hyper-connections (dsv4/megatron/layers.py FUSABLE_HC): the mixes GEMM [B, hc*dim] @
+# [hc*dim, 24] in fp32 split along K into one batched GEMM (unsplit, a decode batch's few rows leave cuBLAS a block or
+# two walking all 16,384 of K), C^T R as multiply-adds that inductor fuses into the output's kernel
+GPU_HC = HCForms(hc_mixes_split, hc_post_unrolled)
+
+
+def hc_forms(X: torch.Tensor) -> HCForms:
+    """The GPU's forms on CUDA; the reference's elsewhere (the CPU tests hold the two equal)."""
+    return GPU_HC if X.is_cuda else REFERENCE_HC
+
+
 def before_attention(layer: Block, X: torch.Tensor, lc: LayerCache, pos: torch.Tensor):
-    x, post, comb = layer._hc_pre(X, "attn", _sinkhorn_for(X, layer.cfg.hc_mult))
+    hc = hc_forms(X)
+    x, post, comb = layer._hc_pre(X, "attn", _sinkhorn_for(X, layer.cfg.hc_mult), hc.mixes)
     q, idx, cos, sin = attend_pre(layer.attn, layer.attn_norm(x), lc, pos)
     return q, idx, cos, sin, post, comb
 
 
 def after_attention(layer: Block, o, X, post, comb, cos, sin, tok, stack: "ExpertStack | None" = None):
-    X = hc_post(attend_post(layer.attn, o, cos, sin), X, post, comb)
-    x, post, comb = layer._hc_pre(X, "ffn", _sinkhorn_for(X, layer.cfg.hc_mult))
+    hc = hc_forms(X)
+    X = hc.post(attend_post(layer.attn, o, cos, sin), X, post, comb)
+    x, post, comb = layer._hc_pre(X, "ffn", _sinkhorn_for(X, layer.cfg.hc_mult), hc.mixes)
     y, chosen = moe(layer.ffn, layer.ffn_norm(x), tok, stack)
-    return hc_post(y, X, post, comb), chosen
+    return hc.post(y, X, post, comb), chosen
 
 
 def head_input(model: Transformer, X: torch.Tensor) -> torch.Tensor:
     """The streams contracted and normed: the head GEMM's input [B, 1, dim] (the norm's dtype: bf16 values are exact
     and the split GEMM skips their lo half)."""
-    y = hc_head(X, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, model.cfg.hc_eps, model.cfg.norm_eps)
+    y = hc_head(X, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, model.cfg.hc_eps, model.cfg.norm_eps,
+                hc_forms(X).mixes)
     return model.norm(y)
 
 

@@ -46,6 +46,26 @@ def test_cached_decoding_equals_full_recompute_fp32(S):
     assert torch.equal(inc_routes.sort(-1).values, full_routes.sort(-1).values)
 
 
+def test_the_gpu_hyper_connection_forms_equal_the_full_forward(monkeypatch):
+    """The split-K mixes GEMM and the unrolled C^T R that the step takes on CUDA (decode.GPU_HC), forced on the
+    CPU: the same logits as the full forward (reference forms) to fp32 summation-order round-off, the same routes."""
+    calls = []
+
+    def gpu_forms(X):
+        calls.append(X.shape)
+        return decode.GPU_HC
+    monkeypatch.setattr(decode, "hc_forms", gpu_forms)
+    cfg = ModelConfig.preset("tiny", seed=4)
+    model = Transformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    inc, inc_routes = _incremental(model, ids)
+    full, full_routes = _full(model, ids)
+    assert len(calls) == 40 * (2 * cfg.n_layers + 1)           # both sub-blocks of every layer and the head
+    assert torch.isfinite(inc).all()
+    assert (inc - full).abs().max().item() < 5e-5
+    assert torch.equal(inc_routes.sort(-1).values, full_routes.sort(-1).values)
+
+
 def test_cached_decoding_with_the_qat_points_on():
     cfg = ModelConfig.preset("tiny", seed=1, qat_kv_fp8=True, qat_indexer_fp4=True)
     model = Transformer(cfg)
