@@ -115,10 +115,44 @@ def unrope(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return ref.rope_tail(o, cos, sin, inverse=True)
 
 
+def combine_rows(out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, dim]: for each token the sum of its k rows of `out` (the experts' outputs, rows sorted by expert),
+    pos [T, k] their rows in ascending expert order, added one after another in that order as the reference loop
+    adds them (0 + a = a exactly, so the same bits for the same rows)."""
+    rows = out[pos].float()
+    acc = rows[:, 0]
+    for j in range(1, pos.shape[1]):
+        acc = acc + rows[:, j]
+    return acc
+
+
+def spread_rows(g: torch.Tensor, tok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """combine_rows' gradient: each row gets its token's gradient (tok [T*k]: the token of each sorted row)."""
+    return g[tok].to(dtype)
+
+
+class _Combine(torch.autograd.Function):
+    """combine_rows with spread_rows as its backward: a gather and a sum where `index_add` of the fp32 rows into
+    zeros took an fp32 copy of every row and atomic adds (in no fixed order on a GPU), and its backward gathered
+    fp32 rows to cast them after."""
+
+    @staticmethod
+    def forward(ctx, out, pos, tok, fwd, bwd):
+        ctx.save_for_backward(tok)
+        ctx.bwd, ctx.dtype = bwd, out.dtype
+        return fwd(out, pos)
+
+    @staticmethod
+    def backward(ctx, g):
+        (tok,) = ctx.saved_tensors
+        return ctx.bwd(g, tok, ctx.dtype), None, None, None, None
+
+
 # region -> (its eager form, the cfg.compiled group that compiles it); the form compiled is the eager one unless
 # _FUSABLE names another
 _REGIONS = {"hc": (EAGER_HC, "hc"), "q_heads": (q_heads, "attn"), "unrope": (unrope, "attn"),
-            "gated": (ref.gated, "moe"), "norm": (ref.rms_norm, "norm")}
+            "gated": (ref.gated, "moe"), "combine": (combine_rows, "moe"), "spread": (spread_rows, "moe"),
+            "norm": (ref.rms_norm, "norm")}
 _FUSABLE = {"hc": FUSABLE_HC}
 
 
@@ -480,15 +514,18 @@ class ParallelMoE(nn.Module):
         return y
 
     def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """The reference loop's sums through GroupedExperts: assignments sorted by expert (stable, so each token's
-        contributions are added in expert order, as the loop adds them), no host sync for the expert counts."""
+        """The reference loop's sums through GroupedExperts: assignments sorted by expert, each token's
+        contributions added in expert order, as the loop adds them (_Combine), no host sync for the expert counts."""
         T, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = order // k
         offs = torch.cumsum(torch.bincount(flat, minlength=self.cfg.n_routed_experts), 0).to(torch.int32)
         out = self.grouped(x[tok], weights.reshape(-1)[order].unsqueeze(-1), offs, list(self.experts.values()))
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add(0, tok, out.float())
+        # each assignment's row in the sorted order; a token's rows ascending = its experts ascending
+        pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        pos = pos.view(T, k).sort(-1).values
+        return _Combine.apply(out, pos, tok, region(self.cfg, "combine", x), region(self.cfg, "spread", x))
 
     def _run_local(self, rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows arrive grouped by source rank, then by local expert (counts [sources, n_local]); regroup by
