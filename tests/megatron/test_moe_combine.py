@@ -48,3 +48,16 @@ def test_combine_sums_in_expert_order_not_slot_order():
     assert y.item() == 0.0                                       # (1e8 + 1) - 1e8 in fp32; rows 2, 0, 1 give 1.0
     y2 = layers._Combine.apply(out, torch.tensor([[2, 0, 1]]), tok, layers.combine_rows, layers.spread_rows)
     assert y2.item() == 1.0
+
+
+def test_compiled_combine_and_spread_match_eager():
+    """The forms the moe region compiles on CUDA (_compiled: inductor; on a CPU its C++ backend) trace and give the
+    eager bits: the sum's order is written out, and a gather and a cast have nothing to reorder."""
+    T, k, E, D = 29, 6, 12, 40
+    idx, order, tok, pos = _routing(T, k, E, 3)
+    out = torch.randn(T * k, D, generator=torch.Generator().manual_seed(4)).bfloat16()
+    g = torch.randn(T, D, generator=torch.Generator().manual_seed(5))
+    y_e, y_c = layers.combine_rows(out, pos), layers._compiled("combine")(out, pos)
+    s_e, s_c = layers.spread_rows(g, tok, torch.bfloat16), layers._compiled("spread")(g, tok, torch.bfloat16)
+    assert torch.isfinite(y_c).all() and torch.isfinite(s_c.float()).all()
+    assert torch.equal(y_c, y_e) and torch.equal(s_c, s_e)
