@@ -11,28 +11,30 @@ and how long a step takes (by part), from the model config and rates measured on
   experts over EP x ETP; layers over PP stages; MTP and the head on the last stage, the embedding on the first).
   Activations are an inventory of the tensors a block keeps for its backward (the 4 hyper-connection streams and
   their fp32 flattening, the attention's q/o at heads/TP, the compressors' fp32 projections, the MoE dispatch rows
-  and expert hidden states, the LM head's fp32 logits), sized from the config at a rank's shape (sequence over CP,
-  sequence-parallel shards over TP), times the micro-batches the pipeline schedule keeps in flight (1F1B: stage s
-  holds PP - s; interleaved more), the grouped GEMM's stacked copy of the local experts a micro-batch in flight
-  (EP = 1), plus the largest transient (the indexer's fp32 [S/CP, S/4] scores, which only
-  CP divides; the logits' gradient; one block's backward); under FP8 QAT (RL with FP8 sync) the bf16 weight copies
-  out of the QAT point (one for the step since c60489a; one a micro-batch in flight before). After the backward,
-  with the activations freed, a finite check of the gradient buffers that allocates (torch.isfinite, 7 bytes an
-  element of the largest: the trainer before e352e77; today's allocates nothing) is a phase of its own; the peak
-  is the fuller phase. One factor on the inventory and one constant workspace are fitted to the measured peaks of
-  the H200 smoke at micro-batch 1 and 2 (`benchmarks/records/plan_calibration.jsonl`): the inventory is first
-  principles, its scale is measured; so is what the process holds outside torch's allocator, which with 3 %
-  fragmentation is what a GPU does not leave usable.
+  and expert hidden states, the LM head's fp32 logits or the fused loss's bf16 softmax), sized from the config at a
+  rank's shape (sequence over CP, sequence-parallel shards over TP), times the micro-batches the pipeline schedule
+  keeps in flight (1F1B: stage s holds PP - s; interleaved more), the grouped GEMM's stacked copy of the local
+  experts (EP = 1: one for the step since 80eff6b, one a micro-batch in flight before and on the QAT path), plus the
+  largest transient (the indexer's fp32 [S/CP, S/4] scores, which only CP divides; the logits' gradient; one block's
+  backward); under FP8 QAT (RL with FP8 sync) the bf16 weight copies out of the QAT point (one for the step since
+  c60489a; one a micro-batch in flight before). After the backward, with the activations freed, a finite check of
+  the gradient buffers that allocates (torch.isfinite, 7 bytes an element of the largest: the trainer before
+  e352e77; today's allocates nothing) is a phase of its own; the peak is the fuller phase. One factor on the
+  inventory and one constant workspace are fitted to the measured peaks of the H200 smoke at micro-batch 1 and 2
+  (`benchmarks/records/plan_calibration.jsonl`): the inventory is first principles, its scale is measured; so is
+  what the process holds outside torch's allocator, which with 3 % fragmentation is what a GPU does not leave
+  usable.
 * **Time per step.** Compute per rank at rates derived from the H200 smoke's timed step and its profile by part
   (GEMM parts as TFLOP/s, the sparse attention from the TileLang kernels' own records, elementwise work per token
-  and layer, a fixed cost per layer and micro-batch from the micro-batch 1 / 2 pair, gradient accumulation and
-  the optimizer step as bytes a parameter at the bandwidths their kernels reached, the fused Adam's from a
-  32-expert profile, which also times the split GEMM's halves of the fp32 weights and the experts' wgrad
-  epilogue; eager ops where the step is launch-bound, FP8 QAT (once a step since c60489a) and the sync's
-  quantisation, at the host's time an op); TP's sequence-parallel gathers and reduce-scatters, EP's all-to-alls
-  (bytes = tokens x top-k x dim x 2, over NVLink within a node and the network across), CP's gathers of halo rows and
-  compressed entries, pipeline p2p and bubble (1F1B, interleaved), and the data-parallel gradient reduction
-  (exposed: the trainer runs megatron's DDP with overlap_grad_reduce off; `overlap` models megatron's overlap).
+  and layer, a fixed cost per layer and micro-batch from the micro-batch 1 / 2 pair, gradient accumulation and the
+  optimizer step as bytes a parameter at the bandwidths their kernels reached, the fused Adam's from a 32-expert
+  profile, which also times the split GEMM's halves of the fp32 weights, the experts' wgrad epilogue, the grouped
+  GEMM's stacking copy and the LM loss's passes over the logits; eager ops where the step is launch-bound, FP8 QAT
+  (once a step since c60489a) and the sync's quantisation, at the host's time an op); TP's sequence-parallel gathers
+  and reduce-scatters, EP's all-to-alls (bytes = tokens x top-k x dim x 2, over NVLink within a node and the network
+  across), CP's gathers of halo rows and compressed entries, pipeline p2p and bubble (1F1B, interleaved), and the
+  data-parallel gradient reduction (exposed: the trainer runs megatron's DDP with overlap_grad_reduce off; `overlap`
+  models megatron's overlap).
 * **RL.** The rollout engine's memory (its weights in the sync format, KV cache), decode time per step from the
   measured decode rows (bytes a step reads over the bandwidth the embedded engine reached), weight-sync time by
   method and format for the bytes the model syncs, colocated or on separate nodes, and the trainer's side of the
@@ -95,9 +97,45 @@ FP32_SPLITS = ("step", "micro_batch")
 # 76ff1a9 (dsv4.megatron.layers._ExpertGemm): one GEMM an expert accumulating into megatron's fp32 main_grad in its
 # epilogue (cuBLAS beta = 1), which reads and writes the fp32 gradient (8 bytes an element) where the grouped GEMM
 # wrote a bf16 one (2): EPILOGUE_BYTES more, and no main_grad += grad; "hook", moe_impl=grouped_autograd and the code
-# before: the bf16 gradient, then megatron's hook adds it (GRAD_ACCUM_BYTES)
+# before: the bf16 gradient, then megatron's hook adds it (GRAD_ACCUM_BYTES); "triton", moe_impl=grouped_triton
+# (dsv4/kernels/triton_grouped_wgrad.py): one Triton grouped GEMM a weight and micro-batch over all the local experts,
+# each output tile added into its expert's main_grad in the epilogue. NOT YET TIMED on a GPU: the model gives it the
+# grouped GEMM's rate that it has for the experts' forward and dgrad (the fitted "experts" TFLOP/s) and the fp32
+# main_grad read and written once an element and micro-batch (8 bytes) where that fitted GEMM wrote a bf16 gradient
+# (2): EPILOGUE_BYTES at the streaming rate, what it charges the cuBLAS loop too, whose GEMMs it also takes at the
+# grouped rate (the H200 measured that loop at ~314 TFLOP/s, 768 rows an expert: 124.8 ms in 3,033 launches of the
+# 32-expert step, where the model's rate and epilogue give it 105; docs/plan.md). So the model predicts "triton" as
+# "main_grad" until a timed row says otherwise: at most those ~20 ms a step are there for it to gain
 EPILOGUE_BYTES = 6
-EXPERT_WGRADS = ("main_grad", "hook")
+EXPERT_WGRADS = ("main_grad", "hook", "triton")
+# how often the grouped GEMM stacks a layer's local experts into its one [E, out, in] bf16 operand (EP = 1). "step",
+# dsv4.megatron.layers._ExpertGemm since 80eff6b: under dsv4.stepmemo.weights_fixed() the stack of
+# the step's first forward is kept (the memo) and every later micro-batch's forward, and a recompute, reuses it, so a
+# stage holds one copy of its blocks' experts for the whole step whatever the micro-batches in flight or the
+# recompute; "micro_batch", the code before (every record so far): every forward stacks afresh and autograd keeps the
+# copy to the block's backward, one a micro-batch in flight (under full recompute only the block being recomputed).
+# The QAT path (a QAT point on the expert weights: RL with FP8 sync) and moe_impl=grouped_autograd stack at every
+# call whatever this says; moe_impl=loop (and EP > 1) stack nothing. The copy reads and writes the stacked bytes once
+# (STACK_PASSES; the H200's 32-expert profile: CatArrayBatchedCopy 23.6 ms a step for 32 copies of 1.61 GB, 4.4 TB/s)
+EXPERT_STACKS = ("step", "micro_batch")
+STACK_PASSES = 2
+STACKING = "expert weight stacking"
+# the LM head's loss (ModelConfig.head_loss): bytes an element of the [tokens, vocab / TP] fp32 logits that the loss's
+# memory-bound passes move beyond the head's GEMMs (their output writes and operand reads are in the head's rate),
+# fwd + bwd: DERIVED from what the code does, not measured apart. "eager", split_gemm's fp32 logits, then
+# F.cross_entropy: the log-softmax reads them three times (max, sum of exponentials, the write pass) and writes its
+# fp32 output, which it keeps (16); the backward writes the nll's dense fp32 gradient (4), the log-softmax backward
+# reads that twice and its output once and writes the logits' gradient (16), and split_gemm's bf16x3_fwd backward
+# casts it to bf16 (6): 42. "fused" (dsv4/kernels/head_loss.py, linear_cross_entropy: TP = 1 on CUDA with the
+# bf16x3_fwd head GEMM, RL's scored log-probabilities and the MTP heads included): one compiled kernel a chunk reads
+# the chunk's fp32 logits twice (the online max and sum of exponentials, then for the softmax) and writes the softmax
+# p in bf16, which it keeps (10); the backward reads p and writes the bf16 gradient in its place (4): 14. The fit
+# takes the eager bytes out of the profiled "LM head and loss" part at the streaming rate, so an eager prediction at
+# the fit's dimensions is what it was before the term. Memory (_head_activations): at most FUSED_LOSS_ROWS rows of
+# fp32 logits at a time (head_loss.py's two fp32 buffers of 1024 rows, the split GEMM's accumulator and output)
+LOSS_BYTES = {"eager": 42, "fused": 14}
+HEAD_LOSSES = tuple(LOSS_BYTES)
+FUSED_LOSS_ROWS = 2048
 # dsv4.quant's FP8 weight quantisation runs in eager torch over cache-sized chunks of rows (quant._row_chunks: 2^19
 # elements, whole 128-row blocks): 15 ops a chunk and 2 cats; the fp32 dequantisation of a QAT point 3 ops a chunk
 # (its own chunking) and an empty; the straight-through sum 3 (test_costmodel counts them in torch). On a GPU every
@@ -198,6 +236,9 @@ class Workload:
     expert_wgrad: str = "main_grad"    # EXPERT_WGRADS: the experts' weight gradients into main_grad (76ff1a9 on) or hook
     weight_qdq: str = "step"           # WEIGHT_QDQS: the QAT weights quantised once a step (c60489a on) or at
                                        # every micro-batch
+    expert_stack: str = "step"         # EXPERT_STACKS: the grouped GEMM's expert stack once a step (80eff6b on)
+                                       # or at every forward (every record so far: `unnamed_as_before`)
+    head_loss: str = "eager"           # HEAD_LOSSES: the LM head's loss (also selected by ModelConfig.head_loss)
 
 
 @dataclass(frozen=True)
@@ -484,10 +525,11 @@ def layout_problems(shape: ModelShape, lay: Layout, wl: Workload, gpus_per_node:
                    f"{lay.micro_batch}" + (f" x {mbs} minibatches" if mbs > 1 else ""))
     if wl.attn_impl not in ATTN_IMPLS or wl.optimizer not in OPTIMIZERS or wl.recompute not in ("none", "full") \
             or wl.adam_kernel not in ADAM_KERNELS or wl.fp32_split not in FP32_SPLITS \
-            or wl.expert_wgrad not in EXPERT_WGRADS or wl.weight_qdq not in WEIGHT_QDQS:
+            or wl.expert_wgrad not in EXPERT_WGRADS or wl.weight_qdq not in WEIGHT_QDQS \
+            or wl.expert_stack not in EXPERT_STACKS or wl.head_loss not in HEAD_LOSSES:
         out.append(f"workload: attn_impl {wl.attn_impl!r}, optimizer {wl.optimizer!r}, recompute {wl.recompute!r}, "
                    f"adam_kernel {wl.adam_kernel!r}, fp32_split {wl.fp32_split!r}, expert_wgrad {wl.expert_wgrad!r}, "
-                   f"weight_qdq {wl.weight_qdq!r}")
+                   f"weight_qdq {wl.weight_qdq!r}, expert_stack {wl.expert_stack!r}, head_loss {wl.head_loss!r}")
     return out
 
 
@@ -607,13 +649,32 @@ def grad_buffers(items, lay: Layout, wl: Workload) -> dict:
 
 
 def stacked_expert_bytes(blk: Block, lay: Layout) -> float:
-    """The bf16 copy of a block's local routed experts that the grouped GEMM stacks at each forward
-    (dsv4.megatron.layers.GroupedExperts: w1, w3 and w2 of every expert as one [E, in, out] operand, which autograd
-    keeps for the backward); only at EP = 1, where the trainer runs the grouped GEMM (EP > 1 runs one GEMM an
-    expert)."""
+    """The bf16 copy of a block's local routed experts that the grouped GEMM stacks (dsv4.megatron.layers.
+    GroupedExperts: w1, w3 and w2 of every expert as one [E, out, in] operand, which autograd keeps for the
+    backward); only at EP = 1, where the trainer runs the grouped GEMM (EP > 1 runs one GEMM an expert). How often,
+    and so how many copies are held: expert_stacking."""
     if lay.ep > 1:
         return 0.0
     return sum(n for (shard, _, _), n in blk.params if shard == "exp") / lay.etp * 2
+
+
+def expert_stacking(shape: ModelShape, lay: Layout, wl: Workload) -> str:
+    """How the trainer stacks the local experts for the grouped GEMM (EXPERT_STACKS): "step" where _ExpertGemm runs
+    (moe_impl grouped or grouped_triton, plain bf16 weights: no QAT point) under today's code, "micro_batch" where
+    the stack is made at every call (the code before, the QAT path, grouped_autograd), "" where nothing is stacked
+    (EP > 1, moe_impl=loop)."""
+    impl = shape.cfg.moe_impl
+    if lay.ep > 1 or not impl.startswith("grouped"):
+        return ""
+    if wl.expert_stack == "step" and impl in ("grouped", "grouped_triton") and not fp8_qat(shape, wl):
+        return "step"
+    return "micro_batch"
+
+
+def stage_stacked_bytes(shape: ModelShape, lay: Layout, stage: int, wl: Workload, ctx: dict | None = None) -> float:
+    """The stacked copies of pipeline rank `stage`'s blocks that run (MTP with its loss only), one each."""
+    return sum(stacked_expert_bytes(b, lay) * count for b, count in _stage_kinds(shape, lay, stage, wl, ctx)
+               if wl.mtp or not b.key.startswith("mtp."))
 
 
 def fp8_qat(shape: ModelShape, wl: Workload) -> bool:
@@ -746,14 +807,31 @@ def _head_activations(shape: ModelShape, lay: Layout, wl: Workload) -> tuple[flo
     the code before made them at each forward and only the hi half again for the backward. The fit is of that code
     (plan_calibration.jsonl, 1272d54) and its scale and workspace absorbed the lo half it did not hold; today's
     code measured 1.0 GiB more at the 32-expert shape (108.2 -> 109.2 GiB: the lo half, 0.99 GiB, and the
-    compressors' halves, 0.05), which the model does not separate (docs/plan.md)."""
+    compressors' halves, 0.05), which the model does not separate (docs/plan.md).
+
+    head_loss (head_loss_of) "fused", derived from dsv4/kernels/head_loss.py's reads and writes, not measured: for
+    the backward a bf16 [N, V] softmax and one fp32 a row (p_label - 1) in place of the fp32 log-softmax, the
+    logits' gradient written in place of the softmax, and at most FUSED_LOSS_ROWS rows of fp32 logits at a time:
+    the transient is those rows with the halves."""
     c = shape.cfg
     N = lay.micro_batch * wl.seq_len / lay.cp
     V = c.vocab_size / lay.tp
     heads = 1 + (c.n_mtp_layers if wl.mtp else 0)
-    saved = heads * (N / lay.tp * c.hc_mult * c.dim * 6 + N * c.dim * 2 + N * V * 4)
-    transient = N * V * 4 + 2 * V * c.dim * 2
+    fused = head_loss_of(shape, lay, wl) == "fused"
+    logits = N * V * 2 + N * 4 if fused else N * V * 4
+    saved = heads * (N / lay.tp * c.hc_mult * c.dim * 6 + N * c.dim * 2 + logits)
+    gradient = min(N, FUSED_LOSS_ROWS) * V * 4 if fused else N * V * 4
+    transient = gradient + 2 * V * c.dim * 2
     return saved, transient
+
+
+def head_loss_of(shape: ModelShape, lay: Layout, wl: Workload) -> str:
+    """The LM head's loss that runs (HEAD_LOSSES): "fused" where the workload or the model config asks for it and
+    dsv4.megatron.model.DSV4Stage.fused_head_loss runs it, at TP = 1 with the bf16x3_fwd head GEMM (RL's scored
+    log-probabilities and the MTP heads too); "eager" otherwise (the vocab-parallel cross-entropy at TP > 1)."""
+    c = shape.cfg
+    want = wl.head_loss == "fused" or getattr(c, "head_loss", "eager") == "fused"
+    return "fused" if want and lay.tp == 1 and c.fp32_gemm == "bf16x3_fwd" else "eager"
 
 
 def in_flight(lay: Layout, stage: int, n_micro: int) -> float:
@@ -813,10 +891,16 @@ def stage_memory(shape: ModelShape, lay: Layout, wl: Workload, rates: Rates | No
     if head_saved:
         # the head runs once a micro-batch, at the end of its forward: one micro-batch's logits at a time
         backward["activations: lm head"] = head_saved * scale / GiB
-    if stacked:
-        # a copy of weights, not an activation: its size is exact, so the inventory's fitted scale does not apply;
-        # one a micro-batch in flight, or under full recompute only the block being recomputed
-        backward[STACKED] = (stacked_one if wl.recompute == "full" else stacked * flight) / GiB
+    stacking = expert_stacking(shape, lay, wl)
+    if stacked and stacking:
+        # a copy of weights, not an activation: its size is exact, so the inventory's fitted scale does not apply.
+        # Once a step: one copy of every block's experts, from its first forward to the end of the step (the memo
+        # keeps it, under full recompute too); at every forward: one a micro-batch in flight, or under full recompute
+        # only the block being recomputed (the checkpointed forward's copy is not saved)
+        if stacking == "step":
+            backward[STACKED] = stacked / GiB
+        else:
+            backward[STACKED] = (stacked_one if wl.recompute == "full" else stacked * flight) / GiB
     if qat:
         # the bf16 weights out of the FP8 QAT point: exact sizes too. Once a step (c60489a on): one stored value a
         # weight, from the first micro-batch's forward to the end of the step's backward, whatever the micro-batches
@@ -962,6 +1046,10 @@ def stage_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage
         heads = 1 + (c.n_mtp_layers if wl.mtp else 0)
         passes = 3.0 + (1.0 if wl.recompute == "full" else 0.0)
         add("lm head", heads * passes * N * shape.head_flops / t / (hw.rates.tflops["head"] * 1e12))
+        # the loss's memory-bound passes over the [N, V/TP] logits (LOSS_BYTES: derived, not measured), which the
+        # fit took out of the head's rate; the head is outside the recomputed blocks, so once a micro-batch
+        add("lm head", heads * N * c.vocab_size / t * LOSS_BYTES[head_loss_of(shape, lay, wl)]
+            / (hw.rates.stream_gbps * 1e9))
         add("TP collectives", 2 * heads * _ring_seconds(N * c.dim * 2, t, 1, hw.gpus_per_node, hw))
     if lay.pp > 1:
         # the residual streams to the next stage forward and their gradient back, per virtual chunk
@@ -969,6 +1057,10 @@ def stage_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage
         across = lay.tp * lay.cp * lay.dp >= hw.gpus_per_node
         add("PP p2p", 2 * lay.vpp * act / (_bw(hw.ib_gbps if across else hw.nvlink_gbps) * 1e9))
     R = hw.rates
+    if expert_stacking(shape, lay, wl) == "micro_batch":
+        # every forward (a recompute's too) stacks the experts again: the stacked bytes read and written
+        fwds = 2.0 if wl.recompute == "full" else 1.0
+        add(STACKING, fwds * stage_stacked_bytes(shape, lay, stage, wl, ctx) * STACK_PASSES / (R.stream_gbps * 1e9))
     items = stage_params(shape, lay, stage, wl, ctx)
     bf16 = _trained_by_dtype(items, lay, wl)["bf16"]
     if fused_expert_wgrad(shape, lay, wl):
@@ -989,11 +1081,21 @@ def stage_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage
     return out
 
 
+def expert_wgrad_path(shape: ModelShape, lay: Layout, wl: Workload) -> str:
+    """Where the routed experts' weight gradients go (EXPERT_WGRADS): "main_grad" (dsv4.megatron.layers._ExpertGemm,
+    one cuBLAS GEMM an expert accumulating into main_grad) or "triton" (one Triton grouped GEMM a weight doing the
+    same: moe_impl=grouped_triton, or the workload's expert_wgrad) for the grouped GEMM (EP = 1) of plain bf16
+    weights (no QAT point) under today's code; "hook" (a bf16 gradient that megatron's hook adds) otherwise: EP > 1,
+    FP8 QAT, moe_impl grouped_autograd or loop, the code before 76ff1a9."""
+    impl = shape.cfg.moe_impl
+    if wl.expert_wgrad == "hook" or lay.ep > 1 or fp8_qat(shape, wl) or impl in ("grouped_autograd", "loop"):
+        return "hook"
+    return "triton" if wl.expert_wgrad == "triton" or impl == "grouped_triton" else "main_grad"
+
+
 def fused_expert_wgrad(shape: ModelShape, lay: Layout, wl: Workload) -> bool:
-    """The routed experts' weight gradients go straight into main_grad (dsv4.megatron.layers._ExpertGemm): the
-    grouped GEMM (EP = 1, moe_impl=grouped) of plain bf16 weights (no QAT point), under today's code."""
-    return (wl.expert_wgrad == "main_grad" and lay.ep == 1 and shape.cfg.moe_impl == "grouped"
-            and not fp8_qat(shape, wl))
+    """The routed experts' weight gradients go straight into main_grad (expert_wgrad_path "main_grad" or "triton")."""
+    return expert_wgrad_path(shape, lay, wl) != "hook"
 
 
 def split_elements(shape: ModelShape, lay: Layout, stage: int, wl: Workload, ctx: dict | None = None,
@@ -1060,6 +1162,15 @@ def predict(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: dic
     worst = max(mems, key=lambda m: m.total)
     fits = worst.total <= usable or not hw.memory_gib
     overflow = "" if fits else _overflow(shape, lay, wl, hw, worst, usable)
+    if expert_wgrad_path(shape, lay, wl) == "triton":
+        notes.append("moe_impl=grouped_triton: the Triton grouped wgrad is not yet timed; taken at the experts' "
+                     "grouped GEMM rate with the fp32 main_grad read and written once a micro-batch (as the cuBLAS loop)")
+    if head_loss_of(shape, lay, wl) == "fused":
+        notes.append(f"head_loss=fused: its memory (a bf16 softmax kept, {FUSED_LOSS_ROWS} rows of fp32 logits at a "
+                     f"time) and its loss passes ({LOSS_BYTES['fused']} bytes an element of the logits against "
+                     f"eager's {LOSS_BYTES['eager']}) are derived from the code, not measured")
+    elif wl.head_loss == "fused" or getattr(shape.cfg, "head_loss", "eager") == "fused":
+        notes.append("head_loss=fused runs at TP = 1 with fp32_gemm=bf16x3_fwd only: the eager loss is modelled here")
     if wl.rl and wl.rl.engine == "sglang":
         notes.append("SGLang's decode is timed at the embedded engine's measured bandwidth (SGLang is not measured "
                      "here)")
@@ -1130,6 +1241,10 @@ def _step_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: 
         # split_gemm.weight_halves under stepmemo.weights_fixed(): each fp32 weight split once, at the first micro-batch's forward
         time["fp32 weight splits"] = split_elements(shape, lay, slow, wl, ctx) * SPLIT_BYTES / (
             hw.rates.stream_gbps * 1e9)
+    if expert_stacking(shape, lay, wl) == "step":
+        # _ExpertGemm's stack under weights_fixed(): each block's experts stacked once, at the first micro-batch's
+        # forward on the slowest stage
+        time[STACKING] = stage_stacked_bytes(shape, lay, slow, wl, ctx) * STACK_PASSES / (hw.rates.stream_gbps * 1e9)
     if fp8_qat(shape, wl) and wl.weight_qdq == "step":
         # dsv4.quant._weight_qdq inside weights_fixed() (c60489a): each weight quantised once a step, at the first
         # micro-batch's forward on its stage. That forward is the first micro-batch's path through the pipeline, and
@@ -1428,6 +1543,8 @@ def _msgspec_types():
         outside_allocator_source: str = ""          # ... where that was read
         fp32_split: str = "step"                    # the code of the timed steps and the profile (Workload's)
         expert_wgrad: str = "main_grad"
+        expert_stack: str = "micro_batch"           # (unnamed: the code before the memo, as every row so far)
+        head_loss: str = "eager"
         sync_host_s: float = 0.0                    # an RL step's in-process FP8 sync of the row's model, less the
                                                     # engine's update (time_sync_s - sync_s): the eager ops' time
         sync_host_source: str = ""
@@ -1493,7 +1610,8 @@ def derive_rates(row) -> Rates:
     cfg = shape.cfg
     # the code the row's steps and profile ran
     wl = Workload(seq_len=row.seq_len, global_batch=row.global_batch, adam_kernel=row.adam_kernel,
-                  fp32_split=row.fp32_split, expert_wgrad=row.expert_wgrad)
+                  fp32_split=row.fp32_split, expert_wgrad=row.expert_wgrad, expert_stack=row.expert_stack,
+                  head_loss=row.head_loss)
     T = row.global_batch * row.seq_len
     F = forward_flops_per_token(cfg, row.seq_len)
     step1 = row.step_s[str(mb1)]
@@ -1520,24 +1638,33 @@ def derive_rates(row) -> Rates:
     experts = _trained_by_dtype([(k, x) for k, x in items if k[0] == "exp"], lay1, wl)["bf16"]
     fused = fused_expert_wgrad(shape, lay1, wl)
     epilogue_mb = experts * EPILOGUE_BYTES / stream if fused else 0.0
+    # the grouped GEMM's stacking copy inside the expert GEMMs' part: at every micro-batch (a per-micro-batch cost,
+    # as the epilogue) or once a step, as the row's code made it
+    stacking = expert_stacking(shape, lay1, wl)
+    stack_s = stage_stacked_bytes(shape, lay1, 0, wl) * STACK_PASSES / stream if stacking else 0.0
+    stack_mb, stack_step = (stack_s, 0.0) if stacking == "micro_batch" else (0.0, stack_s)
+    # the loss's memory-bound passes inside the head's part (LOSS_BYTES, derived): the row's tokens over the vocabulary
+    loss = T * cfg.vocab_size * LOSS_BYTES[head_loss_of(shape, lay1, wl)] / stream
     sparse = 0.0
     for b in shape.layers:
         per = T * cfg.n_heads * kernel_slots(cfg, b.ratio, row.seq_len) * cfg.head_dim
         sparse += 4 * per / (row.sparse_fwd_tflops * 1e12) + 10 * per / (row.sparse_bwd_tflops * 1e12)
     tflops = {
-        "head": 3 * F["lm head"] * T / (part["LM head and loss"] - head_split) / 1e12,
+        "head": 3 * F["lm head"] * T / (part["LM head and loss"] - head_split - loss) / 1e12,
         "attention": 3 * F["attention projections"] * T / max(part["attention"] - sparse, 1e-9) / 1e12,
         "experts": 3 * (F["routed experts"] + F["shared expert"] + F.get("router", 0)) * T
-        / (part["expert GEMMs"] - epilogue_mb * M1) / 1e12,
+        / (part["expert GEMMs"] - (epilogue_mb + stack_mb) * M1 - stack_step) / 1e12,
         "compressors": 3 * F["compressors"] * T / (part["compressors"] - comp_split) / 1e12,
         "indexer": F["indexer"] * T / part["indexer"] / 1e12,
     }
     grad_accum = row.grad_accum_ms / 1000 / M1
     grad_accum_gbps = (trained["bf16"] - (experts if fused else 0.0)) * GRAD_ACCUM_BYTES / grad_accum / 1e9
-    layer_mb = (per_mb - grad_accum - split_mb - epilogue_mb) / n_blocks
+    layer_mb = (per_mb - grad_accum - split_mb - epilogue_mb - stack_mb) / n_blocks
+    # the parts' time at the GEMM rates: the memory-bound passes inside them, which the model times apart, out
+    apart = head_split + comp_split + loss + stack_step
     gemm = sum(part[k] for k in ("LM head and loss", "attention", "expert GEMMs", "compressors", "indexer",
-                                 "optimizer")) - head_split - comp_split - epilogue_mb * M1
-    elementwise = step1 - gemm - (head_split + comp_split) - M1 * (per_mb - split_mb)
+                                 "optimizer")) - apart - (epilogue_mb + stack_mb) * M1
+    elementwise = step1 - gemm - apart - M1 * (per_mb - split_mb)
     ew_ns = elementwise / (T * n_blocks) / (cfg.dim * cfg.hc_mult / 16384) * 1e9
     # the host's time an eager op: the trainer's side of the row's in-process FP8 sync, over the ops it runs
     host_op_s = 0.0
@@ -1622,11 +1749,28 @@ def workload_from_config(cfg) -> Workload:
         rl = RLWorkload(samples, response, max(1, v["PRESET_RL_MINIBATCHES"]), engine, not separate,
                         len(separate) * v["V4_NUM_GPUS_PER_NODE"], v["V4_ROLLOUT_TP"], v["V4_ROLLOUT_EP"],
                         v["V4_ROLLOUT_MEM_FRACTION"], sync, v["PRESET_RL_SYNC_FORMAT"])
+    # the model config's runtime switches the model distinguishes: moe_impl=grouped_triton (the Triton wgrad) and
+    # head_loss (ModelConfig; from the preset's model and PRESET_MODEL_OVERRIDES)
+    model = _model_config(v["PRESET_MODEL"], tuple(v["PRESET_MODEL_OVERRIDES"]))
+    moe_impl = getattr(model, "moe_impl", overrides.get("moe_impl", "grouped"))
+    head_loss = getattr(model, "head_loss", overrides.get("head_loss", "eager"))
     return Workload(seq_len=v["PRESET_SEQ_LEN"], global_batch=v["PRESET_GLOBAL_BATCH_SIZE"],
                     recompute=v["HW_RECOMPUTE_GRANULARITY"] if v["HW_RECOMPUTE_GRANULARITY"] in ("none", "full")
                     else "none",
                     mtp=bool(v["PRESET_MTP_LOSS_COEFF"]), indexer_loss=float(overrides.get("indexer_loss_coeff", 0)) > 0,
-                    attn_impl=impl, rl=rl)
+                    attn_impl=impl, rl=rl, expert_wgrad="triton" if moe_impl == "grouped_triton" else "main_grad",
+                    head_loss=head_loss if head_loss in HEAD_LOSSES else "eager")
+
+
+@functools.lru_cache(maxsize=32)
+def _model_config(preset: str, overrides: tuple[str, ...]):
+    """The run's dsv4.config.ModelConfig (None where the preset or its overrides do not build one: the config's
+    checks say why)."""
+    from dsv4.config import ModelConfig
+    try:
+        return ModelConfig.preset(preset).with_overrides(*overrides)
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def layout_from_config(cfg, stages: list[int] | None) -> Layout:
@@ -1679,6 +1823,8 @@ class BenchShape:
     fp32_split: str = "step"
     expert_wgrad: str = "main_grad"
     weight_qdq: str = "step"
+    expert_stack: str = "step"
+    head_loss: str = "eager"
 
     def layout(self) -> Layout:
         return Layout(tp=self.tp, etp=self.etp, micro_batch=self.micro_batch)
@@ -1686,7 +1832,8 @@ class BenchShape:
     def workload(self) -> Workload:
         return Workload(seq_len=self.seq_len, global_batch=self.global_batch, recompute=self.recompute, mtp=self.mtp,
                         attn_impl=self.attn_impl, adam_kernel=self.adam_kernel, grad_check_bytes=self.grad_check_bytes,
-                        fp32_split=self.fp32_split, expert_wgrad=self.expert_wgrad, weight_qdq=self.weight_qdq)
+                        fp32_split=self.fp32_split, expert_wgrad=self.expert_wgrad, weight_qdq=self.weight_qdq,
+                        expert_stack=self.expert_stack, head_loss=self.head_loss)
 
     def to_json(self) -> dict:
         """The fields of a validation case (plan_validation.jsonl) with "bench": true."""
@@ -1696,17 +1843,19 @@ class BenchShape:
                 "workload": {"recompute": self.recompute, "mtp": self.mtp, "attn_impl": self.attn_impl,
                              "adam_kernel": self.adam_kernel, "grad_check_bytes": self.grad_check_bytes,
                              "fp32_split": self.fp32_split, "expert_wgrad": self.expert_wgrad,
-                             "weight_qdq": self.weight_qdq},
+                             "weight_qdq": self.weight_qdq, "expert_stack": self.expert_stack,
+                             "head_loss": self.head_loss},
                 "bench": True}
 
     @classmethod
     def from_case(cls, case) -> "BenchShape":
-        lay, wl = case.layout, case.workload
+        lay, wl = case.layout, {**unnamed_as_before(case), **case.workload}
         return cls(case.model, tuple(case.overrides), lay.get("tp", 1), lay.get("etp", 1), case.seq_len,
                    case.global_batch, lay.get("micro_batch", 1), wl.get("recompute", "none"), wl.get("mtp", False),
                    wl.get("attn_impl", "tilelang"), wl.get("adam_kernel", "fused"),
                    wl.get("grad_check_bytes", GRAD_CHECK_BYTES), wl.get("fp32_split", "step"),
-                   wl.get("expert_wgrad", "main_grad"), wl.get("weight_qdq", "step"))
+                   wl.get("expert_wgrad", "main_grad"), wl.get("weight_qdq", "step"), wl.get("expert_stack", "step"),
+                   wl.get("head_loss", "eager"))
 
 
 def predict_bench(b: BenchShape, hw: Hardware) -> Prediction:
@@ -1892,6 +2041,14 @@ def validation_cases(path: str = str(VALIDATION_FILE)) -> list:
     return out
 
 
+def unnamed_as_before(case) -> dict:
+    """Workload fields that a case (a plan_validation.jsonl row, a bench record's plan) which does not name them ran
+    as the code before: expert_stack "micro_batch" (the stack once a step came with 80eff6b, after every row and
+    record so far; a row or record of later code names it, as BenchShape.to_json does). A gap has not run yet: it is
+    to be measured with today's code, the Workload's defaults."""
+    return {} if case.source == "gap" else {"expert_stack": "micro_batch"}
+
+
 def _case_hardware(case, world: int) -> Hardware:
     from launcher.config import Selection, load
     sets = (f"HW_GPU_MEMORY_GB={case.gpu_memory_gb:g}",) if case.gpu_memory_gb else ()
@@ -1925,7 +2082,8 @@ def case_prediction(case) -> tuple[Prediction | None, list[str]]:
     else:
         lay = _case_layout(shape, case.layout)
     rl = RLWorkload(**case.rl) if case.rl else None
-    wl = Workload(seq_len=case.seq_len, global_batch=case.global_batch, rl=rl, **case.workload)
+    wl = Workload(seq_len=case.seq_len, global_batch=case.global_batch, rl=rl,
+                  **{**unnamed_as_before(case), **case.workload})
     hw = _case_hardware(case, lay.world)
     problems = layout_problems(shape, lay, wl, hw.gpus_per_node)
     return predict(shape, lay, wl, hw), problems

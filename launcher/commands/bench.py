@@ -544,13 +544,18 @@ def step_shape(model: str, overrides: dict, rank, seq_len: int, global_batch: in
                recompute: str):
     """The planner's inputs (launcher.costmodel.BenchShape) for the process bench_step builds: the preset with the
     bench's overrides and, with --rank-of, the rank's slice (RankShape.slice_overrides, what its model_config
-    applies), TP/ETP as the stand-in builds them, the MTP block trained where the slice holds it."""
+    applies), TP/ETP as the stand-in builds them, the MTP block trained where the slice holds it, and the model
+    config's expert weight-gradient path (moe_impl=grouped_triton) and head loss."""
     from launcher import costmodel
     lay = rank.layout if rank else None
-    return costmodel.BenchShape(model, _specs({**overrides, **(rank.slice_overrides() if rank else {})}),
+    specs = _specs({**overrides, **(rank.slice_overrides() if rank else {})})
+    cfg = costmodel.model_shape(model, specs, seq_len).cfg
+    return costmodel.BenchShape(model, specs,
                                 tp=lay.tp if lay else 1, etp=lay.etp if lay else 1, seq_len=seq_len,
                                 global_batch=global_batch, micro_batch=micro_batch, recompute=recompute,
-                                mtp=bool(rank and rank.mtp), attn_impl=overrides.get("attn_impl", "tilelang"))
+                                mtp=bool(rank and rank.mtp), attn_impl=overrides.get("attn_impl", "tilelang"),
+                                expert_wgrad="triton" if cfg.moe_impl == "grouped_triton" else "main_grad",
+                                head_loss=cfg.head_loss)
 
 
 def step_plan(model: str, overrides: dict, rank, seq_len: int, global_batch: int, micro_batch: int, recompute: str,

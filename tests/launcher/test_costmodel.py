@@ -207,9 +207,10 @@ def _e32_prediction(mb: int = 1, adam_kernel: str = "fused") -> cm.Prediction:
 
 def test_the_grouped_gemms_stacked_expert_copies_are_counted():
     """dsv4.megatron.layers.GroupedExperts stacks each layer's w1, w3 and w2 of every local expert into one bf16
-    operand a forward, which autograd keeps for the backward: 4 layers x 3 x E x 2048 x 4096 x 2 bytes, 6 GiB at 32
-    experts. They are what the measured peak grows by beyond the state from 8 to 32 experts (46.2 GiB against 41.6 of
-    weights, gradients and Adam state); EP > 1 runs one GEMM an expert and stacks nothing."""
+    operand (once a step since 80eff6b), which autograd keeps for the backward: 4 layers x 3 x E x 2048 x 4096 x 2
+    bytes, 6 GiB at 32 experts. They are what the measured peak grows by beyond the state from 8 to 32 experts
+    (46.2 GiB against 41.6 of weights, gradients and Adam state); EP > 1 runs one GEMM an expert and stacks
+    nothing."""
     p32 = _e32_prediction()
     p8 = cm.predict(cm.model_shape("4layer", ("n_routed_experts=8",), 4096), cm.Layout(), cm.Workload(),
                     hardware(gpn=1))
@@ -221,10 +222,12 @@ def test_the_grouped_gemms_stacked_expert_copies_are_counted():
     ep2 = cm.predict(cm.model_shape("4layer", ("n_routed_experts=8",), 4096), cm.Layout(ep=2, dp=2),
                      cm.Workload(global_batch=4), hardware(gpn=2))
     assert cm.STACKED not in ep2.memory.parts
-    # one copy a micro-batch in flight: stage 0 of a 2-stage pipeline holds two
-    pp2 = cm.predict(cm.model_shape("4layer", ("n_routed_experts=8",), 4096), cm.Layout(pp=2, stages=(3, 1)),
-                     cm.Workload(), hardware(gpn=2))
-    assert pp2.memory.stage == 0 and stacked(pp2) == pytest.approx(2 * 3 * stacked(p8) / 4)
+    # the code before 80eff6b: one copy a micro-batch in flight, so stage 0 of a 2-stage pipeline holds two; today
+    # one for the step (test_the_expert_stack_once_a_step_by_memory)
+    for stack, copies in (("micro_batch", 2), ("step", 1)):
+        pp2 = cm.predict(cm.model_shape("4layer", ("n_routed_experts=8",), 4096), cm.Layout(pp=2, stages=(3, 1)),
+                         cm.Workload(expert_stack=stack), hardware(gpn=2))
+        assert pp2.memory.stage == 0 and stacked(pp2) == pytest.approx(copies * 3 * stacked(p8) / 4)
 
 
 OLD_CODE = {"fp32_split": "micro_batch", "expert_wgrad": "hook"}     # the trainer before 76ff1a9
@@ -289,6 +292,169 @@ def test_the_experts_wgrad_into_main_grad_and_the_split_once_a_step():
         / (rates.stream_gbps * 1e9))
     for p, profiled in ((old, 298.6), (fused, 257.1)):
         assert (p.time["lm head"] + p.time["fp32 weight splits"]) * 1000 == pytest.approx(profiled, rel=0.03)
+
+
+def _stacked_gib(shape, lay: cm.Layout, wl: cm.Workload, gpn: int = 1) -> float:
+    return cm.predict(shape, lay, wl, hardware(gpn=gpn)).memory.parts.get(cm.STACKED, 0.0)
+
+
+def test_the_expert_stack_once_a_step_by_memory():
+    """80eff6b: _ExpertGemm stacks a layer's local experts once a step (dsv4.stepmemo.weights_fixed() keeps the stack
+    of the step's first forward for every later micro-batch and recompute), where the code before stacked at every
+    forward and autograd kept each copy to the block's backward. A stage then holds one copy of its blocks' experts
+    whatever the micro-batches in flight: fewer than before on a pipeline's early stages; under full recompute all
+    its blocks' copies (the memo keeps them), where before only the block being recomputed held one. At PP 1 without
+    recompute the two are the same, which is why no measured peak moves."""
+    e8 = cm.model_shape("4layer", ("n_routed_experts=8",), 4096)
+    block = 3 * 8 * 2048 * 4096 * 2 / GiB                      # one layer's 8 experts, w1 w3 w2 in bf16
+    step, before = cm.Workload(), cm.Workload(expert_stack="micro_batch")
+    # stage 0 of a 2-stage pipeline: 3 layers, 2 micro-batches in flight
+    pp2 = cm.Layout(pp=2, stages=(3, 1))
+    assert cm.in_flight(pp2, 0, cm.micro_batches(pp2, step)) == 2
+    assert _stacked_gib(e8, pp2, step, 2) == pytest.approx(3 * block)
+    assert _stacked_gib(e8, pp2, before, 2) == pytest.approx(2 * 3 * block)
+    assert _stacked_gib(e8, pp2, step, 2) < _stacked_gib(e8, pp2, before, 2)
+    # full recompute: the step's memo keeps all 4 layers' copies; before, the block being recomputed held its own
+    full, full_before = replace(step, recompute="full"), replace(before, recompute="full")
+    assert _stacked_gib(e8, cm.Layout(), full) == pytest.approx(4 * block)
+    assert _stacked_gib(e8, cm.Layout(), full_before) == pytest.approx(block)
+    assert _stacked_gib(e8, cm.Layout(), full) > _stacked_gib(e8, cm.Layout(), full_before)
+    # one GPU, no recompute: one micro-batch in flight, the same either way (the fit and every measured peak)
+    assert _stacked_gib(e8, cm.Layout(), step) == _stacked_gib(e8, cm.Layout(), before) == pytest.approx(4 * block)
+    # the QAT path (FP8 QAT: RL with FP8 sync, qat_rollout_fp8) and grouped_autograd stack at every call whatever the
+    # workload says; moe_impl=loop and EP > 1 stack nothing
+    qat = cm.model_shape("4layer", ("n_routed_experts=8", "qat_rollout_fp8=true"), 4096)
+    assert cm.fp8_qat(qat, step) and cm.expert_stacking(qat, pp2, step) == "micro_batch"
+    assert _stacked_gib(qat, pp2, step, 2) == pytest.approx(2 * 3 * block)
+    autograd = cm.model_shape("4layer", ("n_routed_experts=8", "moe_impl=grouped_autograd"), 4096)
+    assert cm.expert_stacking(autograd, pp2, step) == "micro_batch"
+    triton = cm.model_shape("4layer", ("n_routed_experts=8", "moe_impl=grouped_triton"), 4096)
+    assert cm.expert_stacking(triton, pp2, step) == "step"
+    loop = cm.model_shape("4layer", ("n_routed_experts=8", "moe_impl=loop"), 4096)
+    assert cm.expert_stacking(loop, cm.Layout(), step) == "" and _stacked_gib(loop, cm.Layout(), step) == 0
+    assert cm.expert_stacking(e8, cm.Layout(ep=2, dp=2), step) == ""
+    assert cm.layout_problems(e8, cm.Layout(), replace(step, expert_stack="sometimes"), 8)
+
+
+def test_the_expert_stack_once_a_step_by_time():
+    """The stack reads and writes the stacked bytes once (the H200's 32-expert profile of the code before:
+    CatArrayBatchedCopy 23.6 ms a step for 8 micro-batches x 4 layers x 1.61 GB; the model's streaming rate gives
+    29.0). Before 80eff6b at every forward, a recompute's too; since, once a step. The fit takes the 8-expert row's
+    copies out of its expert GEMMs' part and its per-micro-batch cost, so it still gives back what it was fitted to
+    (test_the_fit_gives_back_what_it_was_fitted_to)."""
+    rates = cm.rates_for("H200")
+    shape = cm.model_shape("4layer", ("n_routed_experts=32",), 4096)
+    stacked = 4 * 3 * 32 * 2048 * 4096 * 2
+    once = stacked * cm.STACK_PASSES / (rates.stream_gbps * 1e9)
+    for mb, micro in ((1, 8), (2, 4)):
+        lay = cm.Layout(micro_batch=mb)
+        before = cm.predict(shape, lay, cm.Workload(expert_stack="micro_batch"), hardware(gpn=1))
+        today = cm.predict(shape, lay, cm.Workload(), hardware(gpn=1))
+        assert before.time[cm.STACKING] == pytest.approx(micro * once)
+        assert today.time[cm.STACKING] == pytest.approx(once)
+        assert before.step_s - today.step_s == pytest.approx((micro - 1) * once)
+        assert today.peak_gib == before.peak_gib
+    assert 8 * once == pytest.approx(0.0236, rel=0.25)
+    recompute = cm.predict(shape, cm.Layout(), cm.Workload(expert_stack="micro_batch", recompute="full"),
+                           hardware(gpn=1))
+    assert recompute.time[cm.STACKING] == pytest.approx(2 * 8 * once)
+    assert cm.predict(shape, cm.Layout(), cm.Workload(recompute="full"), hardware(gpn=1)).time[cm.STACKING] \
+        == pytest.approx(once)
+
+
+def test_the_rows_before_the_stack_once_a_step_predict_their_own_code():
+    """Every row and record so far ran the stack at every forward: a case that does not name expert_stack is that
+    code, a gap (to be measured) today's; BenchShape.to_json names it, so a record of later code says which it ran."""
+    cases = {c.name: c for c in cm.validation_cases()}
+    assert all("expert_stack" not in c.workload for c in cases.values())
+    e32 = cases["32-expert EP-8 rank shape (76ff1a9)"]
+    assert cm.unnamed_as_before(e32) == {"expert_stack": "micro_batch"}
+    p, _ = cm.case_prediction(e32)
+    assert p.workload.expert_stack == "micro_batch" and cm.STACKING in p.time
+    assert p.step_s == pytest.approx(_e32_prediction().step_s + 7 * p.time[cm.STACKING] / 8)
+    gap = cases["32-expert EP-8 rank shape, mb2"]
+    assert cm.case_prediction(gap)[0].workload.expert_stack == "step"
+    # the bench's shape carries the field both ways
+    b = cm.BenchShape("4layer", ("n_routed_experts=32",), expert_stack="step", head_loss="fused",
+                      expert_wgrad="triton")
+    js = b.to_json()
+    assert js["workload"]["expert_stack"] == "step" and js["workload"]["head_loss"] == "fused"
+    msgspec, Case = cm._validation_types()
+    case = msgspec.convert({**js, "name": "x", "source": "measured", "hw": "h200", "command": "", "note": ""}, Case)
+    assert cm.BenchShape.from_case(case) == b
+    old = msgspec.structs.replace(case, workload={k: v for k, v in js["workload"].items() if k != "expert_stack"})
+    assert cm.BenchShape.from_case(old).expert_stack == "micro_batch"
+    assert b.workload().expert_stack == "step" and b.workload().head_loss == "fused"
+
+
+def test_the_triton_grouped_wgrad_is_the_grouped_rate_and_one_fp32_pass():
+    """moe_impl=grouped_triton (dsv4/kernels/triton_grouped_wgrad.py, not yet timed): the experts' weight gradients
+    at the grouped GEMM's fitted rate with the fp32 main_grad read and written once a micro-batch, the same bytes
+    the model charges the cuBLAS loop, so the two predict alike until a timed row separates them; the stack is
+    _ExpertGemm's, once a step. The model config or the workload selects it, and `v4 plan` maps the run's
+    PRESET_MODEL_OVERRIDES."""
+    triton = cm.model_shape("4layer", ("n_routed_experts=32", "moe_impl=grouped_triton"), 4096)
+    main = _e32_prediction()
+    for p in (cm.predict(triton, cm.Layout(), cm.Workload(), hardware(gpn=1)),
+              cm.predict(cm.model_shape("4layer", ("n_routed_experts=32",), 4096), cm.Layout(),
+                         cm.Workload(adam_kernel="fused", expert_wgrad="triton"), hardware(gpn=1))):
+        assert p.time == main.time and p.peak_gib == main.peak_gib
+        assert any("grouped_triton" in n and "not yet timed" in n for n in p.notes)
+    assert cm.expert_wgrad_path(triton, cm.Layout(), cm.Workload()) == "triton"
+    assert cm.expert_wgrad_path(triton, cm.Layout(ep=2, dp=2), cm.Workload()) == "hook"
+    assert cm.expert_wgrad_path(triton, cm.Layout(), cm.Workload(expert_wgrad="hook")) == "hook"
+    assert not cm.layout_problems(triton, cm.Layout(), cm.Workload(expert_wgrad="triton"), 8)
+    cfg = load(Selection(hw="h200", sets=("PRESET_MODEL_OVERRIDES=moe_impl=grouped_triton head_loss=fused",),
+                         environ={}))
+    wl = cm.workload_from_config(cfg)
+    assert wl.expert_wgrad == "triton" and wl.head_loss == "fused"
+    wl = cm.workload_from_config(load(Selection(hw="h200", environ={})))
+    assert wl.expert_wgrad == "main_grad" and wl.head_loss == "eager"
+
+
+def test_the_fused_head_loss_by_memory_and_passes():
+    """head_loss=fused (dsv4/kernels/head_loss.py, derived from its reads and writes, not measured): the backward
+    keeps a bf16 [N, V] softmax and one fp32 a row where the eager F.cross_entropy keeps the fp32 log-softmax, at
+    most 2048 rows of fp32 logits exist at a time, and the gradient is written in place of the softmax; its passes
+    over the logits beyond the GEMMs move 14 bytes an element against eager's 42. TP = 1 with the bf16x3_fwd head
+    GEMM only. The eager loss's bytes come out of the fitted head rate, so an eager prediction at Flash's dimensions
+    is what it was without the term (the head's part against both profiles, in
+    test_the_experts_wgrad_into_main_grad_and_the_split_once_a_step)."""
+    rates = cm.rates_for("H200")
+    shape = cm.model_shape("4layer", ("n_routed_experts=32",), 4096)
+    N, V, d = 4096, 129280, 4096
+    for mb in (1, 2):
+        lay = cm.Layout(micro_batch=mb)
+        eager = cm.predict(shape, lay, cm.Workload(), hardware(gpn=1))
+        fused = cm.predict(shape, lay, cm.Workload(head_loss="fused"), hardware(gpn=1))
+        n = mb * N
+        saved_e, trans_e = cm._head_activations(shape, lay, cm.Workload())
+        saved_f, trans_f = cm._head_activations(shape, lay, cm.Workload(head_loss="fused"))
+        assert saved_e - saved_f == pytest.approx(n * V * 4 - (n * V * 2 + n * 4))
+        assert trans_f == pytest.approx(2048 * V * 4 + 2 * V * d * 2)
+        assert trans_e - trans_f == pytest.approx((n - 2048) * V * 4)
+        assert fused.peak_gib < eager.peak_gib
+        assert eager.time["lm head"] - fused.time["lm head"] == pytest.approx(
+            8 * N * V * (cm.LOSS_BYTES["eager"] - cm.LOSS_BYTES["fused"]) / (rates.stream_gbps * 1e9))
+        assert any("head_loss=fused" in x and "derived" in x for x in fused.notes)
+    # the model config selects it too; TP > 1 and the other head GEMMs run the eager loss
+    assert cm.head_loss_of(cm.model_shape("4layer", ("head_loss=fused",), 4096), cm.Layout(), cm.Workload()) == "fused"
+    assert cm.head_loss_of(shape, cm.Layout(tp=2), cm.Workload(head_loss="fused")) == "eager"
+    bf16x3 = cm.model_shape("4layer", ("fp32_gemm=bf16x3",), 4096)
+    assert cm.head_loss_of(bf16x3, cm.Layout(), cm.Workload(head_loss="fused")) == "eager"
+    # the fitted head rate without the eager loss's passes: GEMMs, below the GPU's peak
+    assert rates.tflops["head"] < 989 / (4 / 3)          # 4 bf16 GEMMs (2 forward, 2 backward) where 3 are counted
+
+
+def test_the_bench_shape_takes_the_models_switches():
+    """`v4 bench step`'s fit check (launcher/commands/bench.py step_shape) reads moe_impl=grouped_triton and
+    head_loss from the model config it builds, so its prediction and record carry them."""
+    from launcher.commands.bench import step_shape
+    b = step_shape("4layer", {"n_routed_experts": 32, "moe_impl": "grouped_triton", "head_loss": "fused"}, None,
+                   4096, 8, 1, "none")
+    assert b.expert_wgrad == "triton" and b.head_loss == "fused" and b.expert_stack == "step"
+    b = step_shape("4layer", {"n_routed_experts": 32}, None, 4096, 8, 1, "none")
+    assert b.expert_wgrad == "main_grad" and b.head_loss == "eager"
 
 
 def test_public_recipes_fit_and_reported_ooms_are_flagged():
@@ -491,7 +657,7 @@ def test_the_qat_weights_once_a_step_at_flash_scale():
     assert old.time[cm.QAT_OPS] == pytest.approx(128 * ops[1] * h)        # the others' once: the fill, in the bubble
     assert new.time[cm.QAT_OPS] == pytest.approx(sum(ops) * h)
     assert old.time[cm.QAT_OPS] / old.step_s == pytest.approx(0.594, abs=0.001)
-    assert (old.step_s, new.step_s) == pytest.approx((345.3, 142.5), abs=0.1)
+    assert (old.step_s, new.step_s) == pytest.approx((345.1, 142.4), abs=0.1)
     copy = sum(cm.qat_copy_bytes(b, lay) * n for b, n in cm._stage_kinds(shape, lay, 1, wl, None)) / GiB
     assert old.memory.stage == new.memory.stage == 1 and copy == pytest.approx(9.29, abs=0.01)
     assert old.memory.parts[cm.QAT_COPIES] == pytest.approx(7 * copy) and new.memory.parts[cm.QAT_COPIES] == copy
