@@ -6,6 +6,10 @@ Stages exchange the hc residual streams through megatron's pipeline schedules as
 (the shape the schedules allocate: sequence, micro-batch, "hidden" = hc*dim). With CP > 1 each stage is
 given the whole micro-batch and keeps its CP rank's positions (parallel.CPSplit).
 
+The last stage's losses (LM, MTP, RL's scored log-probabilities) run the head GEMM then the cross-entropy, or both as
+one chunked function where ModelConfig.head_loss = "fused" can run (DSV4Stage.fused_head_loss;
+dsv4/kernels/head_loss.py).
+
 Parameter names are the official checkpoint names on every rank, so `sharded_state_dict` and
 `load_weights` map names one to one; only the slice each rank holds differs.
 """
@@ -21,6 +25,7 @@ import torch.utils.checkpoint
 
 from dsv4 import model as ref
 from dsv4.config import ModelConfig
+from dsv4.kernels.head_loss import linear_cross_entropy
 from dsv4.megatron.layers import (ParallelBlock, ParallelMTPBlock, SPRMSNorm, VocabParallelEmbedding,
                                   column_linear, region)
 from dsv4.megatron.parallel import Layout, Ranks, cp_slice, mark_replicated, shard_index, sharded_tensor, sp_gather
@@ -142,32 +147,60 @@ class DSV4Stage(nn.Module):
                 X = layer(X, ids, aux_weight)
         if not self.ranks.last_stage:
             return self._streams_out(X)
-        logits = self.head_logits(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm)
+        head = (self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm)
         if score is not None:
-            return -self.cross_entropy(self._scored_logits(logits, score), labels)
-        lm = (self.cross_entropy(logits, labels) * loss_mask).sum()
+            return -self.head_loss(X, *head, labels, score)
+        lm = (self.head_loss(X, *head, labels) * loss_mask).sum()
         mtp = torch.zeros((), device=lm.device)
         if self.train_mtp:
             H = X
             for k, blk in enumerate(self.mtp.values()):
                 # block k: position t sees token t+k+1 and predicts token t+k+2 = labels[t+k+1]
                 H = blk(H, cp_slice(_shift(full_ids, k + 1)), self.embed, aux_weight)
-                logits = self.head_logits(H, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, blk.norm)
-                mtp = mtp + (self.cross_entropy(logits, cp_slice(_shift(full_labels, k + 1)))
+                mtp = mtp + (self.head_loss(H, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, blk.norm,
+                                            cp_slice(_shift(full_labels, k + 1)))
                              * cp_slice(_shift(full_mask, k + 1))).sum()
         return torch.stack([lm, mtp])
 
+    def _head_input(self, X, fn, scale, base, norm) -> torch.Tensor:
+        """The head's input [B, S, dim]: the final norm's output of the streams X [B, S/TP, hc, dim], gathered."""
+        y = region(self.cfg, "hc", X).head(X, fn, scale, base, self.cfg.hc_eps, self.cfg.norm_eps)
+        return sp_gather(norm(y))
+
     def head_logits(self, X, fn, scale, base, norm) -> torch.Tensor:
         """Vocab-parallel logits [B, S, V/TP] (fp32) of the streams X [B, S/TP, hc, dim]."""
-        y = region(self.cfg, "hc", X).head(X, fn, scale, base, self.cfg.hc_eps, self.cfg.norm_eps)
-        return ref.fp32_linear(sp_gather(norm(y)), self.head.weight, self.cfg)
+        return ref.fp32_linear(self._head_input(X, fn, scale, base, norm), self.head.weight, self.cfg)
+
+    def fused_head_loss(self, X: torch.Tensor) -> bool:
+        """Whether head_loss runs the head GEMM and the cross-entropy as one function (dsv4/kernels/head_loss.py):
+        cfg.head_loss "fused" at TP = 1 on CUDA with the bf16x3_fwd head GEMM; every other case runs them eagerly."""
+        return (self.cfg.head_loss == "fused" and self.ranks.tp == 1 and X.is_cuda
+                and self.cfg.fp32_gemm == "bf16x3_fwd")
+
+    def head_loss(self, X, fn, scale, base, norm, labels: torch.Tensor, score: dict | None = None) -> torch.Tensor:
+        """Per-token cross-entropy [B, S] (fp32) of `labels` under the head's logits of the streams X, scored as
+        `score` says (see forward) when given."""
+        if self.fused_head_loss(X):
+            t, allowed = self._score_args(score)
+            return linear_cross_entropy(self._head_input(X, fn, scale, base, norm), self.head.weight, labels,
+                                        t, allowed)
+        logits = self.head_logits(X, fn, scale, base, norm)
+        if score is not None:
+            logits = self._scored_logits(logits, score)
+        return self.cross_entropy(logits, labels)
+
+    @staticmethod
+    def _score_args(score: dict | None) -> tuple[float, torch.Tensor | None]:
+        """(temperature, allowed [V] bool or None) of a score dict (None: plain cross-entropy)."""
+        if score is None:
+            return 1.0, None
+        return float(score.get("temperature") or 1.0), score.get("allowed")
 
     def _scored_logits(self, logits: torch.Tensor, score: dict) -> torch.Tensor:
         """logits / temperature, tokens outside the allowed set pushed to -1e30 (finite: the vocab-parallel
         cross-entropy subtracts a max; exp underflows to 0 exactly, as -inf would)."""
-        t = float(score.get("temperature") or 1.0)
+        t, allowed = self._score_args(score)
         logits = logits / t if t != 1.0 else logits
-        allowed = score.get("allowed")
         if allowed is not None:
             n = logits.shape[-1]                                  # this TP rank's vocabulary slice
             part = allowed.to(logits.device)[self.ranks.tp_rank * n:(self.ranks.tp_rank + 1) * n]
