@@ -75,8 +75,18 @@ def act_dequant(q: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Ten
 
 
 # ---------------------------------------------------------------------------------------------- FP8 weights
-def _row_chunks(n_rows: int, row_elems: int, multiple: int = 1, target: int = 1 << 19) -> int:
-    """Rows per chunk so that a chunk's temporaries stay cache-sized (elementwise chains run ~2-3x faster)."""
+# elements a chunk of the eager quantisers' elementwise chains. On a CPU cache-sized: the chains run ~2-3x faster on
+# chunks whose temporaries stay in cache. On a GPU each op of a chunk is a kernel launch costing ~10 us of host time,
+# which at 2^19 elements (2 MB of fp32) outweighs the op itself (the RL step's QAT point and sync ran ~45,000 such
+# ops a micro-batch); there a chunk only bounds the temporaries (64 MB of fp32 each, ~4 alive at once).
+CHUNK_ELEMS = {"cpu": 1 << 19, "cuda": 1 << 24}
+
+
+def _row_chunks(n_rows: int, row_elems: int, multiple: int = 1, target: int | None = None,
+                device: torch.device | str | None = None) -> int:
+    """Rows per chunk (a multiple of `multiple`) of about `target` elements: CHUNK_ELEMS of the device by default."""
+    if target is None:
+        target = CHUNK_ELEMS["cuda" if device is not None and torch.device(device).type == "cuda" else "cpu"]
     rows = max(1, target // max(row_elems, 1)) // multiple * multiple
     return max(rows, multiple)
 
@@ -84,7 +94,7 @@ def _row_chunks(n_rows: int, row_elems: int, multiple: int = 1, target: int = 1 
 def weight_quant_fp8(w: torch.Tensor, block: int = 128, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] -> (e4m3 [N, K], scale fp32 [ceil(N/block), ceil(K/block)]); ragged edge blocks are allowed."""
     n, k = w.shape
-    step = _row_chunks(n, k, block)
+    step = _row_chunks(n, k, block, device=w.device)
     if n > step:
         parts = [weight_quant_fp8(c, block, ue8m0) for c in w.split(step)]
         return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
@@ -108,7 +118,7 @@ def weight_dequant_fp8(q: torch.Tensor, s: torch.Tensor, block: int = 128, dtype
         return w if out is None else out.copy_(w)
     out = torch.empty(n, k, dtype=dtype, device=q.device) if out is None else out
     # rows a chunk: whole block rows, or for a wide k a divisor of the block, so the temporaries stay cache-sized
-    step = _row_chunks(n, k)
+    step = _row_chunks(n, k, device=q.device)
     step = step // block * block if step >= block else max(d for d in range(1, step + 1) if block % d == 0)
     fast = pow2 and dtype == torch.bfloat16 and float(s.max()) <= 2.0 ** 7
     if fast:
@@ -193,7 +203,7 @@ def fp4_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def mxfp4_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed-expert weight [N, K] -> (packed int8 [N, K/2], e8m0 scales [N, K/32]): the released layout."""
-    step = _row_chunks(w.shape[0], w.shape[1])
+    step = _row_chunks(w.shape[0], w.shape[1], device=w.device)
     if w.shape[0] > step:
         parts = [mxfp4_quant(c) for c in w.split(step)]
         return torch.cat([p for p, _ in parts]), torch.cat([s for _, s in parts])

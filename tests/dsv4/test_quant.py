@@ -202,3 +202,25 @@ def test_reused_weight_qdq_is_the_same_forward_and_gradient(fn, dtype):
     assert len({h.untyped_storage().data_ptr() for h in h0}) == 3
     assert ops[1] < ops[0] / 2, ops                                            # quantised once, not three times
     assert not quant._QDQ.open
+
+
+def test_the_gpus_large_chunks_give_the_same_bits(monkeypatch):
+    """On CUDA the quantisers work in chunks of CHUNK_ELEMS["cuda"] elements (each op a kernel launch: fewer, larger
+    ones); every chunk holds whole 128-row blocks, so the values cannot depend on the chunking. Checked on the CPU by
+    giving it the GPU's chunk size: the same bits for FP8 quantisation, both dequantisations, MXFP4."""
+    assert quant._row_chunks(4096, 4096, 128, device="cuda") == (1 << 24) // 4096
+    assert quant._row_chunks(4096, 4096, 128) == (1 << 19) // 4096 // 128 * 128
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 1024, generator=g) * torch.logspace(-3, 1, 1536).unsqueeze(1)    # several chunks on a CPU
+    runs = []
+    for elems in (quant.CHUNK_ELEMS["cpu"], quant.CHUNK_ELEMS["cuda"]):
+        monkeypatch.setitem(quant.CHUNK_ELEMS, "cpu", elems)
+        assert (quant._row_chunks(1536, 1024, 128) < 1536) == (elems == 1 << 19)
+        q, s = quant.weight_quant_fp8(w)
+        runs.append((q.view(torch.uint8), s, quant.weight_dequant_fp8(q, s, dtype=torch.float32),
+                     quant.weight_dequant_fp8(*quant.weight_quant_fp8(w, 128, True), dtype=torch.bfloat16),
+                     *quant.mxfp4_quant(w)))
+    for a, b in zip(*runs):
+        assert torch.isfinite(a.float()).all()
+        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
