@@ -700,10 +700,19 @@ def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers
                          torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2 ** 30)
         for line in plan.lines():
             say(f"[bench] {line}")
-        if not plan.prediction.fits:
-            refuse_or_warn(plan, [] if skip_fit_check else what_fits(
-                plan, model, overrides, rank_of, stage, rank, seq_len, global_batch, micro_batch, recompute),
-                skip_fit_check, say)
+        # the variants run in this process one after another: each must fit (a switch such as head_loss changes
+        # what the step keeps)
+        gpu = (torch.cuda.get_device_name(),
+               torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2 ** 30)
+        for v in variants or [{}]:
+            vo = {**overrides, **v}
+            vplan = plan if not v else step_plan(model, vo, rank, seq_len, global_batch, micro_batch, recompute, *gpu)
+            if not vplan.prediction.fits:
+                if v:
+                    vplan.what += " (variant " + " ".join(f"{k}={x}" for k, x in v.items()) + ")"
+                refuse_or_warn(vplan, [] if skip_fit_check else what_fits(
+                    vplan, model, vo, rank_of, stage, rank, seq_len, global_batch, micro_batch, recompute),
+                    skip_fit_check, say)
     try:
         res = stepprof.bench_step(cfg, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                                   steps=steps, warmup=warmup, device=dev, recompute=recompute,

@@ -209,6 +209,22 @@ def test_bench_step_builds_anyway_when_told_and_fits_the_measured_shape(monkeypa
     assert abs(peak / 108.2 - 1) <= 0.10 and "refuse" not in err
 
 
+def test_bench_step_checks_every_compare_variant(monkeypatch, capsys):
+    """The variants of --compare run in one process: a switch that keeps more (head_loss=eager keeps the fp32
+    log-softmax where fused keeps a bf16 softmax) is checked too. 33 experts at two sequences a micro-batch: the fused
+    base fits (124.4 GiB), the eager variant does not (127.5 of 127.1)."""
+    from dsv4.megatron import stepprof
+    from launcher.cli import main
+    _pretend_h200(monkeypatch)
+    monkeypatch.setattr(stepprof, "bench_step", lambda *a, **kw: pytest.fail("built a variant the model refuses"))
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "step", "--model-overrides", "n_routed_experts=33 head_loss=fused", "--micro-batch", "2",
+              "--compare", "head_loss=fused;head_loss=eager"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "(variant head_loss=eager) peaks at 127.5 GiB" in err and "what the model says fits: " in err
+
+
 def test_a_step_record_carries_its_plan_for_the_calibration(tmp_path):
     """`--record` on a GPU stores the cost model's inputs and prediction with the measured row; `v4 plan calibration`
     turns it into a case and compares today's prediction with what was measured."""
