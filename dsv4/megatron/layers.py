@@ -529,21 +529,34 @@ class ParallelMoE(nn.Module):
 
     def _run_local(self, rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows arrive grouped by source rank, then by local expert (counts [sources, n_local]); regroup by
-        expert, run each expert once on all its rows, and restore the arrival order."""
-        per_expert = counts.sum(0).tolist()
+        expert, run each expert once on all its rows, and restore the arrival order. On CUDA with moe_impl
+        "grouped*" the local experts run as EP = 1 runs them (GroupedExperts: the grouped GEMMs, the weight gradients
+        into main_grad), which is what `v4 bench step --rank-of` times for an EP rank; else one GEMM an expert."""
         if counts.shape[0] > 1:
             expert_of_row = torch.arange(self.n_local, device=rows.device).repeat(counts.shape[0])
             perm = torch.argsort(torch.repeat_interleave(expert_of_row, counts.reshape(-1)), stable=True)
             rows, w = rows[perm], w[perm]
+        if (self.cfg.moe_impl.startswith("grouped") and rows.is_cuda and rows.dtype == torch.bfloat16
+                and rows.shape[0] > 0):
+            out = self._run_grouped(rows, w, counts.sum(0))
+        else:
+            out = self._run_loop(rows, w, counts.sum(0).tolist())
+        if counts.shape[0] > 1:
+            out = out[torch.argsort(perm)]
+        return out
+
+    def _run_grouped(self, rows: torch.Tensor, w: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        """rows sorted by local expert, per_expert [n_local] their counts (on the device: no host sync)."""
+        offs = torch.cumsum(per_expert, 0).to(torch.int32)
+        return self.grouped(rows, w, offs, list(self.experts.values()))
+
+    def _run_loop(self, rows: torch.Tensor, w: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         outs, start = [], 0
         for expert, n in zip(self.experts.values(), per_expert):
             if n:
                 outs.append(expert(rows[start:start + n], w[start:start + n]))
             start += n
-        out = torch.cat(outs) if outs else rows[:0].clone()
-        if counts.shape[0] > 1:
-            out = out[torch.argsort(perm)]
-        return out
+        return torch.cat(outs) if outs else rows[:0].clone()
 
 
 # ================================================================================================ blocks

@@ -59,6 +59,36 @@ def test_grouped_experts_match_the_per_expert_loop(qat):
         torch.testing.assert_close(gw1[n].float(), gw0[n].float(), rtol=2e-2, atol=1e-3, msg=n)
 
 
+def test_an_ep_ranks_grouped_local_experts_match_its_loop():
+    """At EP > 1 a rank's experts run on the rows the all-to-all brought, sorted by local expert: on CUDA as one
+    grouped GEMM a weight (ParallelMoE._run_grouped, as EP = 1 and the bench's rank shape run them), else one GEMM an
+    expert (_run_loop). The grouped form through torch._grouped_mm's CPU path: the same rows out, gradients close."""
+    cfg = ModelConfig.preset("tiny").with_overrides(n_routed_experts=8, n_activated_experts=3)
+    moe = _moe(cfg, seed=2)
+    per_expert = torch.tensor([13, 0, 7, 21, 2, 9, 0, 11])            # two local experts without rows
+    n = int(per_expert.sum())
+    rows = (torch.randn(n, cfg.dim, generator=torch.Generator().manual_seed(3)) * 0.5).to(torch.bfloat16)
+    w = torch.rand(n, 1, generator=torch.Generator().manual_seed(4))
+    out = {}
+    for name in ("loop", "grouped"):
+        r = rows.clone().requires_grad_(True)
+        moe.zero_grad(set_to_none=True)
+        y = moe._run_grouped(r, w, per_expert) if name == "grouped" else moe._run_loop(r, w, per_expert.tolist())
+        (y.float() * torch.linspace(-1, 1, cfg.dim)).sum().backward()
+        out[name] = (y.detach(), r.grad.clone(), {k: p.grad.clone() for k, p in moe.experts.named_parameters()
+                                                  if p.grad is not None})
+    (y0, g0, w0), (y1, g1, w1) = out["loop"], out["grouped"]
+    assert torch.isfinite(y1.float()).all() and y1.float().abs().max() > 0
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    torch.testing.assert_close(g1.float(), g0.float(), rtol=2e-2, atol=1e-3)
+    assert not any(k.startswith(("1.", "6.")) for k in w0)             # the loop never ran the empty experts
+    for k in set(w1) - set(w0):                                         # the stacked GEMM gives them zeros
+        assert k.startswith(("1.", "6.")) and w1[k].abs().max() == 0, k
+    for k in w0:
+        assert torch.isfinite(w1[k].float()).all()
+        torch.testing.assert_close(w1[k].float(), w0[k].float(), rtol=2e-2, atol=1e-3, msg=k)
+
+
 def test_switches_are_validated_and_listed():
     for key in RUNTIME_SWITCHES:
         assert hasattr(ModelConfig(), key)
