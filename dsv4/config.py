@@ -89,7 +89,7 @@ class ModelConfig:
     # Sinkhorn iterations forward and backward in a few kernels), "attn" = the attention's per-head q norm and
     # rotations, "moe" = the routed experts' gated activation (moe_impl grouped), "norm" = the RMSNorms
     compiled: str = "hc+attn+moe+norm"
-    # the routed experts in training (EP = 1) on CUDA: "grouped" = one grouped GEMM (torch._grouped_mm) per weight
+    # the routed experts in training on CUDA (a rank's local experts at any EP): "grouped" = one grouped GEMM per weight
     # over all experts, the weight gradients added straight into megatron's fp32 main_grad by one accumulating GEMM
     # per expert; "grouped_autograd" = the same forward, bf16 weight gradients that megatron's hook then adds (the
     # A/B baseline); "grouped_triton" = the same forward, every expert's weight gradient accumulated into its
