@@ -6,6 +6,7 @@ directory, and teardown kills exactly the processes whose network namespace is o
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,17 +76,20 @@ class NetnsCluster:
 
     @classmethod
     def create(cls, n: int = 3) -> "NetnsCluster":
-        sweep_stale()
         root = Path(tempfile.mkdtemp(prefix="v4n", dir="/tmp"))    # short: Ray socket paths live below
         tag = f"{os.getpid() % 100000}"
-        subnet = _free_subnet()
-        c = cls(root=root, subnet=subnet, bridge=f"{PREFIX}{tag}br", hosts=[],
-                client_key=root / "client_ed25519", known_hosts=root / "known_hosts")
-        try:
-            c._build(n, tag)
-        except BaseException:
-            c.teardown()
-            raise
+        # one build at a time on this machine (pytest-xdist runs test files in parallel): a subnet is free until
+        # its bridge holds it, and each host's interface is made under a fixed name in the root namespace before it
+        # moves into the host's; two clusters on one subnet would reach each other's hosts
+        with _build_lock():
+            sweep_stale()
+            c = cls(root=root, subnet=_free_subnet(), bridge=f"{PREFIX}{tag}br", hosts=[],
+                    client_key=root / "client_ed25519", known_hosts=root / "known_hosts")
+            try:
+                c._build(n, tag)
+            except BaseException:
+                c.teardown()
+                raise
         return c
 
     def _build(self, n: int, tag: str) -> None:
@@ -275,6 +280,16 @@ def kill_namespace_processes(names: list[str], grace: float = 5.0) -> None:
         deadline = time.monotonic() + grace
         while pids_in_namespaces(names) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+@contextmanager
+def _build_lock():
+    with open("/tmp/v4t-netns-build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _free_subnet() -> str:
