@@ -29,8 +29,9 @@ and how long a step takes (by part), from the model config and rates measured on
   and layer, a fixed cost per layer and micro-batch from the micro-batch 1 / 2 pair, gradient accumulation and the
   optimizer step as bytes a parameter at the bandwidths their kernels reached, the fused Adam's from a 32-expert
   profile, which also times the split GEMM's halves of the fp32 weights, the experts' wgrad epilogue, the grouped
-  GEMM's stacking copy and the LM loss's passes over the logits; eager ops where the step is launch-bound, FP8 QAT
-  (once a step since c60489a) and the sync's quantisation, at the host's time an op); TP's sequence-parallel gathers
+  GEMM's stacking copy and the LM loss's passes over the logits; eager ops, FP8 QAT (once a step since c60489a) and
+  the sync's quantisation, at the host's time an op, or their bytes at the streaming rate where the device is the
+  slower, as in the quantisers' 2^24-element chunks on a GPU since 3fd1ccf); TP's sequence-parallel gathers
   and reduce-scatters, EP's all-to-alls (bytes = tokens x top-k x dim x 2, over NVLink within a node and the network
   across), CP's gathers of halo rows and compressed entries, pipeline p2p and bubble (1F1B, interleaved), and the
   data-parallel gradient reduction (exposed: the trainer runs megatron's DDP with overlap_grad_reduce off; `overlap`
@@ -39,7 +40,8 @@ and how long a step takes (by part), from the model config and rates measured on
   measured decode rows (bytes a step reads over the bandwidth the embedded engine reached), weight-sync time by
   method and format for the bytes the model syncs, colocated or on separate nodes, and the trainer's side of the
   sync (the FP8 quantisation, the read-back) and its FP8 QAT of the weights (once a step) as eager ops at the host's
-  time an op.
+  time an op (their bytes where the device is the slower); the embedded engine's update from an FP8 sync is its own
+  eager dequantisation, the measured update less the launches larger chunks remove.
 
 Every figure that is not calibrated here is an assumption with its source (`Hardware.assumptions`, the hw files,
 the calibration rows' notes): on the one H200 no network is measured, so NVLink beyond two GPUs and every
@@ -136,14 +138,34 @@ STACKING = "expert weight stacking"
 LOSS_BYTES = {"eager": 42, "fused": 14}
 HEAD_LOSSES = tuple(LOSS_BYTES)
 FUSED_LOSS_ROWS = 2048
-# dsv4.quant's FP8 weight quantisation runs in eager torch over cache-sized chunks of rows (quant._row_chunks: 2^19
-# elements, whole 128-row blocks): 15 ops a chunk and 2 cats; the fp32 dequantisation of a QAT point 3 ops a chunk
-# (its own chunking) and an empty; the straight-through sum 3 (test_costmodel counts them in torch). On a GPU every
-# op is a kernel launch of ~2 MB of work, so the step pays each op's host time (Rates.host_op_s), not its bytes
+# dsv4.quant's FP8 weight quantisation runs in eager torch over chunks of rows (quant._row_chunks, whole 128-row
+# blocks): 15 ops a chunk and 2 cats where there is more than one chunk; the fp32 dequantisation 3 ops a chunk (its
+# own chunking) and an empty; a QAT point's straight-through sum 3 (test_costmodel counts them in torch). How large
+# a chunk is (QUANT_CHUNKS, quant.CHUNK_ELEMS of the tensor's device): "gpu", 2^24 elements on CUDA since 3fd1ccf;
+# "cpu_sized", 2^19 everywhere, the code before (every record so far: `unnamed_as_before`), where every op on a GPU
+# was a kernel launch of ~2 MB of work and the host's time an op (Rates.host_op_s) was what a chain cost. A weight
+# of fewer elements than a chunk is one chunk (no cat). An eager chain costs the longer of its ops at the host's
+# time an op and the bytes its ops read and write at the streaming rate (eager_seconds): at 2^19 elements the host's
+# time is 10x the bytes' or more, at 2^24 the two are alike (64 MB of fp32 an op: ~30 us of HBM against ~9 of
+# launch). The bytes an element, DERIVED from the ops (test_costmodel counts them in torch, not timed apart): the
+# quantisation of a bf16 weight 47 (the fp32 copy 6, the pad's copy 8, abs 8, the block amax 4, the division 8, the
+# clamp 8, the e4m3 cast 5; the scales' ops are 1/16384 of that) and 2 more for the cat of several chunks; the fp32
+# dequantisation 21 (widen 5, scale 8, the copy into its output 8); a QAT point's straight-through value in bf16 18
+QUANT_CHUNK_ELEMS = {"gpu": 1 << 24, "cpu_sized": 1 << 19}
+QUANT_CHUNKS = tuple(QUANT_CHUNK_ELEMS)
 QUANT_CHUNK_OPS = 15
 QUANT_CAT_OPS = 2
 DEQUANT_CHUNK_OPS = 3
 QDQ_EXTRA_OPS = 4
+QUANT_BYTES = 47
+QUANT_CAT_BYTES = 2
+DEQUANT_BYTES = 21
+QDQ_EXTRA_BYTES = 18
+# the embedded engine's update from an FP8 sync (dsv4.rl.engine.EmbeddedEngine.load_named, on its CUDA device): a
+# quantised weight dequantised to fp32 (weight_dequant_fp8: an empty, 3 ops a chunk), cast to the parameter's bf16
+# and copied in (2 ops, 6 + 4 bytes an element beyond the dequantisation's 21); a tensor sent as it is, one copy
+LOAD_CAST_OPS = 2
+LOAD_CAST_BYTES = 10
 # how often the trainer's weight QAT points quantise (WEIGHT_QDQS). "step", the trainer since c60489a: while the
 # trainer holds dsv4.stepmemo.weights_fixed() open around the forward/backward schedule, dsv4.quant._weight_qdq
 # computes each weight's straight-through value once, at the first forward that uses it (fp8_qdq_ops, the same ops
@@ -239,6 +261,8 @@ class Workload:
     expert_stack: str = "step"         # EXPERT_STACKS: the grouped GEMM's expert stack once a step (80eff6b on)
                                        # or at every forward (every record so far: `unnamed_as_before`)
     head_loss: str = "eager"           # HEAD_LOSSES: the LM head's loss (also selected by ModelConfig.head_loss)
+    quant_chunk: str = "gpu"           # QUANT_CHUNKS: the eager FP8 quantisers' chunks, 2^24 elements on a GPU
+                                       # (3fd1ccf on) or 2^19 (every record so far: `unnamed_as_before`)
 
 
 @dataclass(frozen=True)
@@ -264,6 +288,8 @@ class Rates:
                                        # GEMM's casts, the experts' wgrad epilogue
     host_op_s: float = 0.0             # host time of one eager torch op where the step is launch-bound (FP8 QAT, the
                                        # sync's quantisation and read-back)
+    sync_quant_chunk: str = "cpu_sized"  # the quantisers' chunks (QUANT_CHUNKS) of the run whose sync_gbps were
+                                         # measured: the embedded engine's update dequantises in them
 
 
 @dataclass(frozen=True)
@@ -364,23 +390,53 @@ def _fp8_linear(name: str, shape, cfg, shard: str) -> tuple | None:
 
 
 def _row_chunks(n_rows: int, row_elems: int, multiple: int = 1, target: int = 1 << 19) -> int:
-    """dsv4.quant._row_chunks: rows a chunk of its eager quantisation (a chunk's temporaries cache-sized)."""
+    """dsv4.quant._row_chunks: rows a chunk (a multiple of `multiple`) of about `target` elements (QUANT_CHUNK_ELEMS
+    of the code and device)."""
     rows = max(1, target // max(row_elems, 1)) // multiple * multiple
     return max(rows, multiple)
 
 
-def fp8_quant_ops(n: int, k: int) -> int:
-    """Eager torch ops of dsv4.quant.weight_quant_fp8 on an [n, k] weight (a multiple of 128 each way)."""
-    step = _row_chunks(n, k, BLOCK)
-    return math.ceil(n / step) * QUANT_CHUNK_OPS + QUANT_CAT_OPS if n > step else QUANT_CHUNK_OPS
+def _quant_chunks(n: int, k: int, chunk: str = "gpu") -> int:
+    """Chunks dsv4.quant.weight_quant_fp8 splits an [n, k] weight into (whole 128-row blocks each; 1: no split)."""
+    step = _row_chunks(n, k, BLOCK, QUANT_CHUNK_ELEMS[chunk])
+    return math.ceil(n / step) if n > step else 1
 
 
-def fp8_qdq_ops(n: int, k: int) -> int:
+def _dequant_chunks(n: int, k: int, chunk: str = "gpu") -> int:
+    """Chunks dsv4.quant.weight_dequant_fp8 works an [n, k] weight in (whole block rows, or a divisor of the block)."""
+    step = _row_chunks(n, k, 1, QUANT_CHUNK_ELEMS[chunk])
+    step = step // BLOCK * BLOCK if step >= BLOCK else max(d for d in range(1, step + 1) if BLOCK % d == 0)
+    return math.ceil(n / step)
+
+
+def fp8_quant_ops(n: int, k: int, chunk: str = "gpu") -> int:
+    """Eager torch ops of dsv4.quant.weight_quant_fp8 on an [n, k] weight (a multiple of 128 each way), in the
+    chunks of `chunk` (QUANT_CHUNKS)."""
+    parts = _quant_chunks(n, k, chunk)
+    return parts * QUANT_CHUNK_OPS + QUANT_CAT_OPS if parts > 1 else QUANT_CHUNK_OPS
+
+
+def fp8_quant_bytes(n: int, k: int, chunk: str = "gpu") -> float:
+    """Bytes those ops read and write on a bf16 [n, k] weight (QUANT_BYTES an element, the cat's where it splits)."""
+    return n * k * (QUANT_BYTES + (QUANT_CAT_BYTES if _quant_chunks(n, k, chunk) > 1 else 0))
+
+
+def fp8_qdq_ops(n: int, k: int, chunk: str = "gpu") -> int:
     """Eager torch ops of the FP8 weight QAT point (dsv4.quant.fp8_weight_qdq: quantise, dequantise to fp32 in its
     own chunks, the straight-through sum) on an [n, k] weight: what one forward pays a weight under FP8 QAT."""
-    step = _row_chunks(n, k)
-    step = step // BLOCK * BLOCK if step >= BLOCK else max(d for d in range(1, step + 1) if BLOCK % d == 0)
-    return fp8_quant_ops(n, k) + math.ceil(n / step) * DEQUANT_CHUNK_OPS + QDQ_EXTRA_OPS
+    return fp8_quant_ops(n, k, chunk) + _dequant_chunks(n, k, chunk) * DEQUANT_CHUNK_OPS + QDQ_EXTRA_OPS
+
+
+def fp8_qdq_bytes(n: int, k: int, chunk: str = "gpu") -> float:
+    """Bytes the QAT point's ops read and write on a bf16 [n, k] weight."""
+    return fp8_quant_bytes(n, k, chunk) + n * k * (DEQUANT_BYTES + QDQ_EXTRA_BYTES)
+
+
+def eager_seconds(ops: float, nbytes: float, rates: "Rates") -> float:
+    """An eager chain on a GPU: the host launches its ops at host_op_s each while the device runs them at the
+    streaming rate, so the slower of the two (ops of 2^19-element chunks: the host's; of 2^24, either)."""
+    device = nbytes / (rates.stream_gbps * 1e9) if rates.stream_gbps else 0.0
+    return max(ops * rates.host_op_s, device)
 
 
 def _rank_linear(lin: tuple, lay: "Layout") -> tuple[int, int, float]:
@@ -526,10 +582,12 @@ def layout_problems(shape: ModelShape, lay: Layout, wl: Workload, gpus_per_node:
     if wl.attn_impl not in ATTN_IMPLS or wl.optimizer not in OPTIMIZERS or wl.recompute not in ("none", "full") \
             or wl.adam_kernel not in ADAM_KERNELS or wl.fp32_split not in FP32_SPLITS \
             or wl.expert_wgrad not in EXPERT_WGRADS or wl.weight_qdq not in WEIGHT_QDQS \
-            or wl.expert_stack not in EXPERT_STACKS or wl.head_loss not in HEAD_LOSSES:
+            or wl.expert_stack not in EXPERT_STACKS or wl.head_loss not in HEAD_LOSSES \
+            or wl.quant_chunk not in QUANT_CHUNKS:
         out.append(f"workload: attn_impl {wl.attn_impl!r}, optimizer {wl.optimizer!r}, recompute {wl.recompute!r}, "
                    f"adam_kernel {wl.adam_kernel!r}, fp32_split {wl.fp32_split!r}, expert_wgrad {wl.expert_wgrad!r}, "
-                   f"weight_qdq {wl.weight_qdq!r}, expert_stack {wl.expert_stack!r}, head_loss {wl.head_loss!r}")
+                   f"weight_qdq {wl.weight_qdq!r}, expert_stack {wl.expert_stack!r}, head_loss {wl.head_loss!r}, "
+                   f"quant_chunk {wl.quant_chunk!r}")
     return out
 
 
@@ -700,13 +758,22 @@ def qat_copy_bytes(blk: Block, lay: Layout, weight_qdq: str = "step") -> float:
     return total
 
 
-def qat_ops(blk: Block, lay: Layout) -> float:
-    """Eager ops of quantising a block's FP8 linears on one rank through the FP8 QAT point once (fp8_qdq_ops each):
-    what every forward paid before c60489a, and what a step pays now."""
+def qat_ops(blk: Block, lay: Layout, chunk: str = "gpu") -> float:
+    """Eager ops of quantising a block's FP8 linears on one rank through the FP8 QAT point once (fp8_qdq_ops each, in
+    the quantisers' `chunk`s): what every forward paid before c60489a, and what a step pays now."""
     total = 0.0
     for lin, count in blk.fp8:
         n, k, share = _rank_linear(lin, lay)
-        total += fp8_qdq_ops(n, k) * count * share
+        total += fp8_qdq_ops(n, k, chunk) * count * share
+    return total
+
+
+def qat_bytes(blk: Block, lay: Layout, chunk: str = "gpu") -> float:
+    """Bytes those ops read and write (fp8_qdq_bytes each)."""
+    total = 0.0
+    for lin, count in blk.fp8:
+        n, k, share = _rank_linear(lin, lay)
+        total += fp8_qdq_bytes(n, k, chunk) * count * share
     return total
 
 
@@ -716,10 +783,20 @@ def qat_weights(blk: Block, lay: Layout) -> float:
 
 
 def stage_qat(shape: ModelShape, lay: Layout, stage: int, wl: Workload, ctx: dict | None = None,
-              per=qat_ops) -> float:
-    """`per` (qat_ops, qat_weights) over the blocks of pipeline rank `stage` that run (MTP with its loss only)."""
-    return sum(per(b, lay) * count for b, count in _stage_kinds(shape, lay, stage, wl, ctx)
+              per=None) -> float:
+    """`per` (qat_ops, the default, and qat_bytes in the workload's quant_chunk; qat_weights) over the blocks of
+    pipeline rank `stage` that run (MTP with its loss only)."""
+    per = per or qat_ops
+    fn = (lambda b: per(b, lay, wl.quant_chunk)) if per in (qat_ops, qat_bytes) else (lambda b: per(b, lay))
+    return sum(fn(b) * count for b, count in _stage_kinds(shape, lay, stage, wl, ctx)
                if wl.mtp or not b.key.startswith("mtp."))
+
+
+def stage_qat_seconds(shape: ModelShape, lay: Layout, stage: int, wl: Workload, rates: "Rates",
+                      ctx: dict | None = None) -> float:
+    """One pass of the QAT point over pipeline rank `stage`'s FP8 linears: its ops at the host's time an op, or its
+    bytes at the streaming rate where the device is the slower (eager_seconds)."""
+    return eager_seconds(stage_qat(shape, lay, stage, wl, ctx), stage_qat(shape, lay, stage, wl, ctx, qat_bytes), rates)
 
 
 def stage_blocks(shape: ModelShape, lay: Layout, stage: int, wl: Workload) -> list[Block]:
@@ -1074,7 +1151,7 @@ def stage_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage
     if fp8_qat(shape, wl):
         if wl.weight_qdq == "micro_batch":
             # the code before c60489a: every forward quantises every weight
-            add(QAT_OPS, stage_qat(shape, lay, stage, wl, ctx) * R.host_op_s)
+            add(QAT_OPS, stage_qat_seconds(shape, lay, stage, wl, R, ctx))
         else:
             # today's: a forward looks each weight's stored value up (the quantisation is once a step: _step_time)
             add(QAT_LOOKUPS, stage_qat(shape, lay, stage, wl, ctx, qat_weights) * QDQ_LOOKUP_OPS * R.host_op_s)
@@ -1171,6 +1248,10 @@ def predict(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: dic
                      f"eager's {LOSS_BYTES['eager']}) are derived from the code, not measured")
     elif wl.head_loss == "fused" or getattr(shape.cfg, "head_loss", "eager") == "fused":
         notes.append("head_loss=fused runs at TP = 1 with fp32_gemm=bf16x3_fwd only: the eager loss is modelled here")
+    if wl.quant_chunk == "gpu" and (fp8_qat(shape, wl) or (wl.rl and wl.rl.sync_format == "fp8")):
+        notes.append("FP8 QAT and sync in the quantisers' 2^24-element chunks (3fd1ccf): not yet timed; each eager "
+                     "chain charged the longer of its ops at the host's time an op and its bytes (derived from the "
+                     "ops) at the streaming rate")
     if wl.rl and wl.rl.engine == "sglang":
         notes.append("SGLang's decode is timed at the embedded engine's measured bandwidth (SGLang is not measured "
                      "here)")
@@ -1247,9 +1328,9 @@ def _step_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: 
         time[STACKING] = stage_stacked_bytes(shape, lay, slow, wl, ctx) * STACK_PASSES / (hw.rates.stream_gbps * 1e9)
     if fp8_qat(shape, wl) and wl.weight_qdq == "step":
         # dsv4.quant._weight_qdq inside weights_fixed() (c60489a): each weight quantised once a step, at the first
-        # micro-batch's forward on its stage. That forward is the first micro-batch's path through the pipeline, and
-        # the ops are host time, so every stage's add up (at PP 1 the one stage's)
-        time[QAT_OPS] = sum(stage_qat(shape, lay, s, wl, ctx) for s in range(lay.pp)) * hw.rates.host_op_s
+        # micro-batch's forward on its stage. That forward is the first micro-batch's path through the pipeline, so
+        # every stage's pass adds up (at PP 1 the one stage's)
+        time[QAT_OPS] = sum(stage_qat_seconds(shape, lay, s, wl, hw.rates, ctx) for s in range(lay.pp))
     updates = wl.rl.minibatches if wl.rl else 1
     if updates > 1:
         time = {k: v * updates for k, v in time.items()}
@@ -1459,10 +1540,23 @@ SYNC_DISK_GBPS = 2.0   # assumption: a shared filesystem's write then read per n
 
 
 def sync_seconds(shape: ModelShape, wl: Workload, hw: Hardware, gpus: int) -> float:
-    rl = wl.rl
+    """The engine's update (push_weights' sync_s): in process at the measured rate; broadcast over NVLink or the
+    network; through a disk. The embedded engine's update from an FP8 sync is eager ops too (engine_load): the
+    measured rate holds them in the chunks of the run that measured it (Rates.sync_quant_chunk; at 76ff1a9 its
+    10,359 ops at the host's time an op are 0.095 s of the 0.094 measured), so another chunking takes the host's
+    time of the ops it adds or removes off the measured update, down to no less than the update's bytes at the
+    streaming rate."""
+    rl, R = wl.rl, hw.rates
     nbytes = _sync_bytes(shape, rl.sync_format)
     if rl.sync == "inproc":
-        return nbytes / (hw.rates.sync_gbps.get(f"inproc_{rl.sync_format}", 30.0) * 1e9)
+        key = f"inproc_{rl.sync_format}"
+        t = nbytes / (R.sync_gbps.get(key, 30.0) * 1e9)
+        if (key in R.sync_gbps and rl.engine == "embedded" and rl.sync_format == "fp8"
+                and wl.quant_chunk != R.sync_quant_chunk):
+            ops, moved = engine_load(shape, wl.quant_chunk)
+            then, _ = engine_load(shape, R.sync_quant_chunk)
+            t = max(t + (ops - then) * R.host_op_s, moved / (R.stream_gbps * 1e9) if R.stream_gbps else 0.0)
+        return t
     if rl.sync == "disk":
         return 2 * nbytes / (SYNC_DISK_GBPS * 1e9)
     # broadcast from the trainer to the engines: within a node over NVLink, to separate nodes over the network
@@ -1487,25 +1581,63 @@ def rollout_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware) -> 
     fwd = sum(forward_flops_per_token(cfg, prompt).values())
     prefill = batch * prompt * fwd / tp / (R.tflops["attention"] * 1e12)
     out = {"rollout decode": decode, "rollout prefill": prefill, "weight sync": sync_seconds(shape, wl, hw, lay.world)}
-    out["weight sync: quantisation and read-back (eager ops)"] = sync_host_ops(shape, rl) * R.host_op_s
+    out["weight sync: quantisation and read-back (eager ops)"] = sync_host_seconds(shape, rl, R, wl.quant_chunk)
     return out
 
 
-def sync_host_ops(shape: ModelShape, rl: RLWorkload) -> float:
-    """Eager torch ops the trainer's side of one weight sync runs on rank 0 besides sending (dsv4.rl.loop.
-    push_weights): the FP8 quantisation of every FP8- or FP4-stored linear (sync_tensors) and, with the embedded
-    engine, the read-back of every tensor (_read_back; SGLang's names are not read back)."""
+def _sync_host(shape: ModelShape, rl: RLWorkload, chunk: str = "gpu") -> tuple[float, float, float]:
+    """(ops, bytes) of the trainer's FP8 quantisation of one weight sync in the quantisers' `chunk`s, and the
+    read-back's ops (sync_host_ops)."""
     readback = rl.engine == "embedded"
-    key = ("host ops", shape.name, rl.sync_format, readback)
+    key = ("host ops", shape.name, rl.sync_format, readback, chunk)
     if key not in _SYNC:
-        cfg, ops = shape.cfg, 0.0
+        cfg, ops, nbytes, back = shape.cfg, 0.0, 0.0, 0.0
         for name, s in cfg.param_shapes().items():
             quantized = rl.sync_format == "fp8" and len(s) == 2 and cfg.storage_format(name) in ("fp8", "fp4")
             if quantized:
-                ops += fp8_quant_ops(*s)
+                ops += fp8_quant_ops(*s, chunk)
+                nbytes += fp8_quant_bytes(*s, chunk)
             if readback:
-                ops += READBACK_OPS["quantized" if quantized else "exact"]
-        _SYNC[key] = ops
+                back += READBACK_OPS["quantized" if quantized else "exact"]
+        _SYNC[key] = (ops, nbytes, back)
+    return _SYNC[key]
+
+
+def sync_host_ops(shape: ModelShape, rl: RLWorkload, chunk: str = "gpu") -> float:
+    """Eager torch ops the trainer's side of one weight sync runs on rank 0 besides sending (dsv4.rl.loop.
+    push_weights): the FP8 quantisation of every FP8- or FP4-stored linear (sync_tensors, on the trainer's device:
+    dsv4.rl.loop.full_weights moves the gathered weights there) in the quantisers' `chunk`s and, with the embedded
+    engine, the read-back of every tensor (_read_back, no chunks: a probe of 4,096 values and the tensor's amax, with
+    host syncs; SGLang's names are not read back)."""
+    ops, _, back = _sync_host(shape, rl, chunk)
+    return ops + back
+
+
+def sync_host_seconds(shape: ModelShape, rl: RLWorkload, rates: Rates, chunk: str = "gpu") -> float:
+    """Those ops' time: the quantisation's at the host's time an op or its bytes at the streaming rate where the
+    device is the slower (eager_seconds), the read-back's at the host's time an op (it waits on the device at each
+    of its syncs)."""
+    ops, nbytes, back = _sync_host(shape, rl, chunk)
+    quantise = eager_seconds(ops, nbytes, rates)
+    return (ops + back) * rates.host_op_s if quantise == ops * rates.host_op_s else quantise + back * rates.host_op_s
+
+
+def engine_load(shape: ModelShape, chunk: str = "gpu") -> tuple[float, float]:
+    """(eager ops, bytes read and written) of the embedded engine's update from an FP8 sync (EmbeddedEngine.
+    load_named on its CUDA device): each FP8- or FP4-stored linear dequantised to fp32 in the quantisers' `chunk`s,
+    cast to bf16 and copied into its parameter; every other tensor copied in as sent."""
+    key = ("engine load", shape.name, chunk)
+    if key not in _SYNC:
+        cfg, ops, nbytes = shape.cfg, 0.0, 0.0
+        for name, s in cfg.param_shapes().items():
+            n = math.prod(s)
+            if len(s) == 2 and cfg.storage_format(name) in ("fp8", "fp4"):
+                ops += 1 + _dequant_chunks(*s, chunk) * DEQUANT_CHUNK_OPS + LOAD_CAST_OPS
+                nbytes += n * (DEQUANT_BYTES + LOAD_CAST_BYTES)
+            else:
+                ops += 1
+                nbytes += 2 * n * (4 if _param_kind(name, cfg)[1] else 2)
+        _SYNC[key] = (ops, nbytes)
     return _SYNC[key]
 
 
@@ -1545,6 +1677,8 @@ def _msgspec_types():
         expert_wgrad: str = "main_grad"
         expert_stack: str = "micro_batch"           # (unnamed: the code before the memo, as every row so far)
         head_loss: str = "eager"
+        quant_chunk: str = "cpu_sized"              # (unnamed: the quantisers' 2^19-element chunks, 3fd1ccf's
+                                                    # before, as every row so far: its sync's eager ops and update)
         sync_host_s: float = 0.0                    # an RL step's in-process FP8 sync of the row's model, less the
                                                     # engine's update (time_sync_s - sync_s): the eager ops' time
         sync_host_source: str = ""
@@ -1611,7 +1745,7 @@ def derive_rates(row) -> Rates:
     # the code the row's steps and profile ran
     wl = Workload(seq_len=row.seq_len, global_batch=row.global_batch, adam_kernel=row.adam_kernel,
                   fp32_split=row.fp32_split, expert_wgrad=row.expert_wgrad, expert_stack=row.expert_stack,
-                  head_loss=row.head_loss)
+                  head_loss=row.head_loss, quant_chunk=row.quant_chunk)
     T = row.global_batch * row.seq_len
     F = forward_flops_per_token(cfg, row.seq_len)
     step1 = row.step_s[str(mb1)]
@@ -1666,10 +1800,11 @@ def derive_rates(row) -> Rates:
                                  "optimizer")) - apart - (epilogue_mb + stack_mb) * M1
     elementwise = step1 - gemm - apart - M1 * (per_mb - split_mb)
     ew_ns = elementwise / (T * n_blocks) / (cfg.dim * cfg.hc_mult / 16384) * 1e9
-    # the host's time an eager op: the trainer's side of the row's in-process FP8 sync, over the ops it runs
+    # the host's time an eager op: the trainer's side of the row's in-process FP8 sync, over the ops it runs in the
+    # row's chunks (launch-bound: at 2^19 elements the host's time is 10x the bytes' or more)
     host_op_s = 0.0
     if row.sync_host_s:
-        host_op_s = row.sync_host_s / sync_host_ops(shape, RLWorkload(1, 1, sync_format="fp8"))
+        host_op_s = row.sync_host_s / sync_host_ops(shape, RLWorkload(1, 1, sync_format="fp8"), row.quant_chunk)
     # memory: inventory at the two micro-batches
     inv = []
     for mb in (mb1, mb2):
@@ -1685,7 +1820,7 @@ def derive_rates(row) -> Rates:
     decode = {b: _decode_bytes(cfg, int(b), row.decode_prompt) / (ms / 1000) / 1e9 for b, ms in row.decode_ms.items()}
     rates = Rates(row.gpu, "measured", row.note, tflops, row.sparse_fwd_tflops, row.sparse_bwd_tflops, ew_ns,
                   layer_mb, grad_accum_gbps, optimizer_gbps, act_scale, workspace, decode,
-                  dict(row.sync_gbps), {}, row.outside_allocator_gib, stream / 1e9, host_op_s)
+                  dict(row.sync_gbps), {}, row.outside_allocator_gib, stream / 1e9, host_op_s, row.quant_chunk)
     # the fit's own check, at the calibration shape: the model must give back what it was fitted to
     hw = Hardware("calibration", row.gpu, 1000.0, 0.0, 1, 1.0, 1.0, rates=rates)
     check = {}
@@ -1825,6 +1960,7 @@ class BenchShape:
     weight_qdq: str = "step"
     expert_stack: str = "step"
     head_loss: str = "eager"
+    quant_chunk: str = "gpu"
 
     def layout(self) -> Layout:
         return Layout(tp=self.tp, etp=self.etp, micro_batch=self.micro_batch)
@@ -1833,7 +1969,7 @@ class BenchShape:
         return Workload(seq_len=self.seq_len, global_batch=self.global_batch, recompute=self.recompute, mtp=self.mtp,
                         attn_impl=self.attn_impl, adam_kernel=self.adam_kernel, grad_check_bytes=self.grad_check_bytes,
                         fp32_split=self.fp32_split, expert_wgrad=self.expert_wgrad, weight_qdq=self.weight_qdq,
-                        expert_stack=self.expert_stack, head_loss=self.head_loss)
+                        expert_stack=self.expert_stack, head_loss=self.head_loss, quant_chunk=self.quant_chunk)
 
     def to_json(self) -> dict:
         """The fields of a validation case (plan_validation.jsonl) with "bench": true."""
@@ -1844,7 +1980,7 @@ class BenchShape:
                              "adam_kernel": self.adam_kernel, "grad_check_bytes": self.grad_check_bytes,
                              "fp32_split": self.fp32_split, "expert_wgrad": self.expert_wgrad,
                              "weight_qdq": self.weight_qdq, "expert_stack": self.expert_stack,
-                             "head_loss": self.head_loss},
+                             "head_loss": self.head_loss, "quant_chunk": self.quant_chunk},
                 "bench": True}
 
     @classmethod
@@ -1855,7 +1991,7 @@ class BenchShape:
                    wl.get("attn_impl", "tilelang"), wl.get("adam_kernel", "fused"),
                    wl.get("grad_check_bytes", GRAD_CHECK_BYTES), wl.get("fp32_split", "step"),
                    wl.get("expert_wgrad", "main_grad"), wl.get("weight_qdq", "step"), wl.get("expert_stack", "step"),
-                   wl.get("head_loss", "eager"))
+                   wl.get("head_loss", "eager"), wl.get("quant_chunk", "gpu"))
 
 
 def predict_bench(b: BenchShape, hw: Hardware) -> Prediction:
@@ -2043,10 +2179,11 @@ def validation_cases(path: str = str(VALIDATION_FILE)) -> list:
 
 def unnamed_as_before(case) -> dict:
     """Workload fields that a case (a plan_validation.jsonl row, a bench record's plan) which does not name them ran
-    as the code before: expert_stack "micro_batch" (the stack once a step came with 80eff6b, after every row and
-    record so far; a row or record of later code names it, as BenchShape.to_json does). A gap has not run yet: it is
-    to be measured with today's code, the Workload's defaults."""
-    return {} if case.source == "gap" else {"expert_stack": "micro_batch"}
+    as the code before: expert_stack "micro_batch" (the stack once a step came with 80eff6b) and quant_chunk
+    "cpu_sized" (the quantisers' 2^24-element chunks on a GPU came with 3fd1ccf), both after every row and record so
+    far; a row or record of later code names them, as BenchShape.to_json does. A gap has not run yet: it is to be
+    measured with today's code, the Workload's defaults (its command runs the code checked out)."""
+    return {} if case.source == "gap" else {"expert_stack": "micro_batch", "quant_chunk": "cpu_sized"}
 
 
 def _case_hardware(case, world: int) -> Hardware:

@@ -368,7 +368,7 @@ def test_the_rows_before_the_stack_once_a_step_predict_their_own_code():
     cases = {c.name: c for c in cm.validation_cases()}
     assert all("expert_stack" not in c.workload for c in cases.values())
     e32 = cases["32-expert EP-8 rank shape (76ff1a9)"]
-    assert cm.unnamed_as_before(e32) == {"expert_stack": "micro_batch"}
+    assert cm.unnamed_as_before(e32) == {"expert_stack": "micro_batch", "quant_chunk": "cpu_sized"}
     p, _ = cm.case_prediction(e32)
     assert p.workload.expert_stack == "micro_batch" and cm.STACKING in p.time
     assert p.step_s == pytest.approx(_e32_prediction().step_s + 7 * p.time[cm.STACKING] / 8)
@@ -385,6 +385,38 @@ def test_the_rows_before_the_stack_once_a_step_predict_their_own_code():
     old = msgspec.structs.replace(case, workload={k: v for k, v in js["workload"].items() if k != "expert_stack"})
     assert cm.BenchShape.from_case(old).expert_stack == "micro_batch"
     assert b.workload().expert_stack == "step" and b.workload().head_loss == "fused"
+
+
+def test_the_rows_before_the_gpus_quant_chunks_predict_their_own_code():
+    """Every row and record so far ran the quantisers' 2^19-element chunks (3fd1ccf came after): a case that does not
+    name quant_chunk is that code ("cpu_sized"), a gap today's ("gpu"); the calibration row's sync too, so the host's
+    time an op is its 0.482 s over the ops it ran. BenchShape carries the field both ways."""
+    cases = {c.name: c for c in cm.validation_cases()}
+    assert all("quant_chunk" not in c.workload for c in cases.values())
+    for c in cases.values():
+        p, _ = cm.case_prediction(c)
+        if p is not None:
+            assert p.workload.quant_chunk == ("gpu" if c.source == "gap" else "cpu_sized"), c.name
+    assert all(r.quant_chunk == "cpu_sized" for r in cm.calibration_rows())
+    assert cm.rates_for("H200").host_op_s == pytest.approx(
+        0.482 / cm.sync_host_ops(cm.model_shape("4layer", ("n_routed_experts=8",), 4096),
+                                 cm.RLWorkload(1, 1, sync_format="fp8"), "cpu_sized"))
+    b = cm.BenchShape("4layer", ("n_routed_experts=8", "qat_rollout_fp8=true"))
+    assert b.quant_chunk == "gpu" and b.workload().quant_chunk == "gpu"
+    js = b.to_json()
+    assert js["workload"]["quant_chunk"] == "gpu"
+    msgspec, Case = cm._validation_types()
+    case = msgspec.convert({**js, "name": "x", "source": "measured", "hw": "h200", "command": "", "note": ""}, Case)
+    assert cm.BenchShape.from_case(case) == b
+    old = msgspec.structs.replace(case, workload={k: v for k, v in js["workload"].items() if k != "quant_chunk"})
+    assert cm.BenchShape.from_case(old).quant_chunk == "cpu_sized"
+    assert cm.layout_problems(cm.model_shape("4layer", b.overrides, 4096), cm.Layout(), cm.Workload(quant_chunk="2^20"),
+                              8)
+    # the bench's QAT step in either chunking: the GPU's is shorter by the launches it saves, the memory the same
+    hw = cm.device_hardware("NVIDIA H200", 139.8)
+    gpu, cpu = cm.predict_bench(b, hw), cm.predict_bench(replace(b, quant_chunk="cpu_sized"), hw)
+    assert gpu.time[cm.QAT_OPS] < cpu.time[cm.QAT_OPS] / 10 and gpu.peak_gib == cpu.peak_gib
+    assert any("2^24-element chunks" in n for n in gpu.notes) and not any("2^24" in n for n in cpu.notes)
 
 
 def test_the_triton_grouped_wgrad_is_the_grouped_rate_and_one_fp32_pass():
@@ -522,17 +554,75 @@ def _count_ops(fn) -> int:
     return n[0]
 
 
-@pytest.mark.parametrize("shape", [(128, 128), (1024, 1024), (512, 4096), (256, 8192)])
-def test_the_fp8_quantisation_ops_are_torchs(shape):
-    """dsv4.quant's FP8 weight quantisation and QAT point run eagerly over cache-sized chunks: the op counts the model
+def _count_bytes(fn) -> float:
+    """Bytes fn's eager torch ops read and write: each op's tensor arguments and results (views and empties aside,
+    which move nothing; copy_ does not read its destination)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    n = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and not func.__name__.startswith("empty"):
+                ins = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
+                ins = ins[1:] if func._schema.name == "aten::copy_" else ins
+                outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+                n[0] += sum(t.numel() * t.element_size() for t in ins + outs)
+            return out
+    with Count():
+        fn()
+    return n[0]
+
+
+@pytest.fixture
+def quant_chunk(monkeypatch):
+    """dsv4.quant on this CPU in the chunks of a QUANT_CHUNKS value: 2^19 elements as a CPU runs them ("cpu_sized",
+    also the code before 3fd1ccf on a GPU), or the 2^24 of a CUDA device ("gpu"), given to the CPU as 3fd1ccf's own
+    test does."""
+    from dsv4 import quant
+
+    def use(chunk: str):
+        monkeypatch.setitem(quant.CHUNK_ELEMS, "cpu", cm.QUANT_CHUNK_ELEMS[chunk])
+        return quant
+    return use
+
+
+@pytest.mark.parametrize("chunk", cm.QUANT_CHUNKS)
+@pytest.mark.parametrize("shape", [(128, 128), (1024, 1024), (512, 4096), (256, 8192), (2048, 4096), (8192, 4096)])
+def test_the_fp8_quantisation_ops_are_torchs(shape, chunk, quant_chunk):
+    """dsv4.quant's FP8 weight quantisation and QAT point run eagerly over chunks of rows: the op counts the model
     charges the host for (fp8_quant_ops, fp8_qdq_ops) are what torch dispatches, at every chunking of the model's
-    shapes (one chunk; 512-row chunks of a narrow weight; 128-row chunks of a wide one, dequantised in 64-row ones)."""
+    shapes in either chunk size (2^19: one chunk; 512-row chunks of a narrow weight; 128-row chunks of a wide one,
+    dequantised in 64-row ones; 2^24: one chunk up to 16 M elements, whole 128-row blocks beyond), and the bytes
+    they move are the model's (fp8_quant_bytes, fp8_qdq_bytes: derived from these ops) to the scales' 0.02 %."""
     import torch
 
-    from dsv4 import quant
+    quant = quant_chunk(chunk)
     w = (torch.randn(*shape) * 0.02).to(torch.bfloat16)
-    assert _count_ops(lambda: quant.weight_quant_fp8(w, 128, ue8m0=True)) == cm.fp8_quant_ops(*shape)
-    assert _count_ops(lambda: quant.fp8_weight_qdq(w)) == cm.fp8_qdq_ops(*shape)
+    assert _count_ops(lambda: quant.weight_quant_fp8(w, 128, ue8m0=True)) == cm.fp8_quant_ops(*shape, chunk)
+    assert _count_ops(lambda: quant.fp8_weight_qdq(w)) == cm.fp8_qdq_ops(*shape, chunk)
+    assert _count_bytes(lambda: quant.weight_quant_fp8(w, 128, ue8m0=True)) == pytest.approx(
+        cm.fp8_quant_bytes(*shape, chunk), rel=2e-4)
+    assert _count_bytes(lambda: quant.fp8_weight_qdq(w)) == pytest.approx(cm.fp8_qdq_bytes(*shape, chunk), rel=2e-4)
+
+
+def test_the_gpus_chunks_count_one_chunk_a_weight_below_2_24_elements():
+    """3fd1ccf: on CUDA dsv4.quant chunks 2^24 elements (quant.CHUNK_ELEMS["cuda"]), 2^19 before and on a CPU. A
+    2048 x 4096 expert weight (8 M elements) is then one chunk: the QAT point 15 + 3 + 4 ops where it was 16 chunks
+    of 15, 2 cats, 16 dequantised chunks of 3 and 4 (294); an 8192 x 4096 one two chunks of 2048 rows (whole
+    128-row blocks), a cat, 2 dequantised chunks. The model's chunk sizes are the trainer's."""
+    from dsv4 import quant
+    assert cm.QUANT_CHUNK_ELEMS == {"gpu": quant.CHUNK_ELEMS["cuda"], "cpu_sized": quant.CHUNK_ELEMS["cpu"]}
+    assert cm.fp8_qdq_ops(2048, 4096, "gpu") == 15 + 3 + 4 == 22
+    assert cm.fp8_qdq_ops(2048, 4096, "cpu_sized") == 16 * 15 + 2 + 16 * 3 + 4 == 294
+    assert cm.fp8_qdq_ops(2048, 4096) == cm.fp8_qdq_ops(2048, 4096, "gpu")           # today's code, the default
+    assert cm.fp8_quant_ops(8192, 4096, "gpu") == 2 * 15 + 2 and cm.fp8_qdq_ops(8192, 4096, "gpu") == 32 + 6 + 4
+    assert cm._quant_chunks(8192, 4096, "gpu") == 2 and (1 << 24) // 4096 % 128 == 0
+    # the bytes are the same but for the cat of several chunks
+    assert cm.fp8_qdq_bytes(2048, 4096, "gpu") == 2048 * 4096 * (47 + 21 + 18)
+    assert cm.fp8_qdq_bytes(2048, 4096, "cpu_sized") == 2048 * 4096 * (47 + 2 + 21 + 18)
 
 
 def test_the_sync_read_back_ops_are_torchs():
@@ -570,10 +660,10 @@ def test_the_rl_smoke_step_is_the_fp8_qat_by_part():
     rates = cm.rates_for("H200")
     shape = cm.model_shape("4layer", ("n_routed_experts=8",), 16)
     rl = cm.RLWorkload(128, 1, sync_format="fp8")
-    assert cm.sync_host_ops(shape, rl) == 52650
-    assert rates.host_op_s == pytest.approx(0.482 / 52650)
+    assert cm.sync_host_ops(shape, rl, "cpu_sized") == 46826 + 5824 == 52650      # that code's 2^19-element chunks
+    assert rates.host_op_s == pytest.approx(0.482 / 52650) and rates.sync_quant_chunk == "cpu_sized"
     lay = cm.Layout(micro_batch=32)
-    ops = sum(cm.qat_ops(b, lay) for b in shape.layers)
+    ops = sum(cm.qat_ops(b, lay, "cpu_sized") for b in shape.layers)
     assert ops == 44934
     rows = {r["quantity"]: r for r in cm.validation_table() if r["name"] == "rl_smoke (76ff1a9)"}
     case = {c.name: c for c in cm.validation_cases()}["rl_smoke (76ff1a9)"]
@@ -585,20 +675,28 @@ def test_the_rl_smoke_step_is_the_fp8_qat_by_part():
     assert rows["s/step: weight sync"]["verdict"].startswith("fit")
     # the engine's update at the measured 53 GB/s; the QAT path leaves the experts' wgrad to megatron's hook
     assert p.time["weight sync"] == pytest.approx(cm._sync_bytes(shape, "fp8") / 53.0e9)
+    assert p.workload.quant_chunk == "cpu_sized"
     assert "experts' wgrad into main_grad" not in p.time
     assert p.memory.parts[cm.QAT_COPIES] == pytest.approx(
         sum(cm.qat_copy_bytes(b, lay, "micro_batch") for b in shape.layers) / GiB) \
         and 0.9 < p.memory.parts[cm.QAT_COPIES] < 1.1
 
 
+def _c60489a(gap):
+    """The gap row's shape with the code of c60489a..3fd1ccf: the QAT once a step, the quantisers' 2^19 chunks."""
+    import msgspec
+    return msgspec.structs.replace(gap, workload={**gap.workload, "quant_chunk": "cpu_sized"})
+
+
 def test_the_qat_weights_once_a_step_in_rl_smoke():
     """c60489a: inside the trainer's schedule each QAT weight is quantised once a step and the micro-batches share
     that one value. The rl_smoke rows measured before it say `"weight_qdq": "micro_batch"` and keep 1a5ac28's
-    predictions (76ff1a9: 2.462 s, train 1.869, 56.3 GiB; 2026-12-01: 2.512 s). Today's code (the gap row
-    `rl_smoke (c60489a)`, the same shape) pays the 44,934 ops once, not 4 times, and a look-up of the stored value a
-    weight and micro-batch (129 weights): train 1.869 - 3 x 44,934 x 9.155 us + 4 x 129 x 9.155 us = 0.639 s, the
-    step 1.233. Memory: one copy for the step, and at EP 1 the routed experts' too (the store keeps theirs past the
-    grouped GEMM's stacking, which freed them before): 1.0 + 4 x 8 x 3 x 2048 x 4096 x 2 bytes (1.5) = 2.5 GiB."""
+    predictions (76ff1a9: 2.462 s, train 1.869, 56.3 GiB; 2026-12-01: 2.512 s). The code of c60489a (the gap row
+    `rl_smoke (c60489a)`'s shape in the quantisers' 2^19-element chunks, before 3fd1ccf) pays the 44,934 ops once,
+    not 4 times, and a look-up of the stored value a weight and micro-batch (129 weights): train 1.869 - 3 x 44,934
+    x 9.155 us + 4 x 129 x 9.155 us = 0.639 s, the step 1.233. Memory: one copy for the step, and at EP 1 the routed
+    experts' too (the store keeps theirs past the grouped GEMM's stacking, which freed them before): 1.0 + 4 x 8 x 3
+    x 2048 x 4096 x 2 bytes (1.5) = 2.5 GiB. Today's code, which the gap row predicts: the test below."""
     h = cm.rates_for("H200").host_op_s
     cases = {c.name: c for c in cm.validation_cases()}
     then, now = cases["rl_smoke (76ff1a9)"], cases["rl_smoke (c60489a)"]
@@ -606,7 +704,7 @@ def test_the_qat_weights_once_a_step_in_rl_smoke():
     assert now.source == "gap" and now.workload == {} and now.command == then.command
     same = lambda c: (c.rl, c.layout, c.seq_len, c.global_batch, c.overrides)     # noqa: E731
     assert same(now) == same(then)
-    old, new = cm.case_prediction(then)[0], cm.case_prediction(now)[0]
+    old, new = cm.case_prediction(then)[0], cm.case_prediction(_c60489a(now))[0]
     train = lambda p: cm._quantity(p, "train_s")                   # noqa: E731
     # the rows of the code before: what 1a5ac28 predicted
     assert (old.step_s, train(old), old.peak_gib) == pytest.approx((2.462, 1.869, 56.313), abs=1e-3)
@@ -627,33 +725,115 @@ def test_the_qat_weights_once_a_step_in_rl_smoke():
     assert old.memory.parts[cm.QAT_COPIES] == pytest.approx(1.0, abs=0.01)
     assert new.memory.parts[cm.QAT_COPIES] - old.memory.parts[cm.QAT_COPIES] == pytest.approx(experts) == 1.5
     assert new.peak_gib - old.peak_gib == pytest.approx(1.5)
+
+
+def test_today_s_rl_smoke_step_in_the_gpus_chunks():
+    """3fd1ccf: the quantisers chunk 2^24 elements on CUDA, so the 4-layer model's 129 QAT weights are one chunk
+    each but the 12 of 32 M elements (two): 3,078 ops once a step where c60489a's code ran 44,934, 0.028 s at the
+    host's 9.155 us an op; their bytes (86 an element of 1.34 G, 116 GB) take the device 0.033 s at the 3.55 TB/s
+    streaming rate, the longer, so the QAT is charged 0.033. The sync's trainer side: its quantisation's 2,700 ops,
+    0.025 s (the bytes 0.023), and the read-back's 5,824, 0.053 (no chunks: unchanged); the engine's update, whose
+    measured 0.094 s are its own eager dequantisation (10,359 ops in 2^19 chunks, 0.095 at that rate), 1,113 ops now
+    (0.010), so its bytes bound it: 59.5 GB, 0.017 s. The gap row `rl_smoke (c60489a)` predicts today's code (a gap
+    is measured with the code checked out): 0.373 s a step, train 0.261, sync 0.095, rollout 0.017, 57.8 GiB."""
+    R = cm.rates_for("H200")
+    h, stream = R.host_op_s, R.stream_gbps * 1e9
+    cases = {c.name: c for c in cm.validation_cases()}
+    gap = cases["rl_smoke (c60489a)"]
+    assert cm.unnamed_as_before(gap) == {}
+    p, before = cm.case_prediction(gap)[0], cm.case_prediction(_c60489a(gap))[0]
+    assert p.workload.quant_chunk == "gpu" and p.workload.weight_qdq == "step"
+    shape, lay = cm.model_shape("4layer", ("n_routed_experts=8",), 16), cm.Layout(micro_batch=32)
+    ops = sum(cm.qat_ops(b, lay, "gpu") for b in shape.layers)
+    nbytes = sum(cm.qat_bytes(b, lay, "gpu") for b in shape.layers)
+    assert ops == 117 * 22 + 12 * 42 == 3078
+    assert nbytes == 1342177280 * 86 + 12 * 2 ** 25 * 2
+    assert p.time[cm.QAT_OPS] == pytest.approx(nbytes / stream) == pytest.approx(0.0327, abs=1e-4)
+    assert ops * h < p.time[cm.QAT_OPS] < 1.2 * ops * h                      # the device's bytes, just ahead
+    # the sync: the trainer's quantisation (host-bound still), the read-back as it was, the engine's update
+    rl = cm.RLWorkload(**gap.rl)
+    q_ops, q_bytes, back = cm._sync_host(shape, rl, "gpu")
+    assert (q_ops, back) == (2700, 5824) and q_bytes / stream < q_ops * h
+    assert p.time["weight sync: quantisation and read-back (eager ops)"] == pytest.approx((q_ops + back) * h)
+    e_gpu, moved = cm.engine_load(shape, "gpu")
+    e_cpu, _ = cm.engine_load(shape, "cpu_sized")
+    assert (e_cpu, e_gpu) == (10359, 1113)
+    assert e_cpu * h == pytest.approx(before.time["weight sync"], rel=0.02)     # the measured update is its ops
+    assert p.time["weight sync"] == pytest.approx(moved / stream) == pytest.approx(0.0168, abs=1e-4)
+    # everything else as in c60489a's code
+    chunked = (cm.QAT_OPS, "weight sync", "weight sync: quantisation and read-back (eager ops)")
+    rest = lambda q: {k: v for k, v in q.time.items() if k not in chunked}   # noqa: E731
+    assert rest(p) == rest(before) and p.peak_gib == before.peak_gib
+    parts = {k: cm._quantity(p, k) for k in ("step_s", "train_s", "sync_s", "rollout_s")}
+    assert parts == pytest.approx({"step_s": 0.373, "train_s": 0.261, "sync_s": 0.095, "rollout_s": 0.0174},
+                                  abs=1e-3)
+    assert p.peak_gib == pytest.approx(57.81, abs=0.01)
     # `v4 plan calibration` lists the gap by part, with the command that measures it
     rows = {r["quantity"]: r for r in cm.validation_table() if r["name"] == "rl_smoke (c60489a)"}
     assert set(rows) == {"peak GiB", "s/step", "s/step: rollout", "s/step: train", "s/step: weight sync"}
     assert all(r["verdict"].startswith("GAP") and r["measured"] is None for r in rows.values())
-    assert rows["s/step: train"]["predicted"] == pytest.approx(train(new))
+    assert rows["s/step: train"]["predicted"] == pytest.approx(parts["train_s"])
+    assert rows["s/step: weight sync"]["predicted"] == pytest.approx(parts["sync_s"])
+
+
+def test_the_engines_update_ops_are_torchs(quant_chunk):
+    """The embedded engine's update from an FP8 sync (EmbeddedEngine.load_named): a quantised weight dequantised in
+    the quantisers' chunks, cast and copied in; a weight sent as it is, copied. Ops and bytes as engine_load counts
+    them, in either chunk size."""
+    import torch
+
+    from dsv4.rl.engine import EmbeddedEngine
+    from dsv4.rl.loop import sync_tensors
+    w = (torch.randn(1024, 4096) * 0.02).to(torch.bfloat16)
+    b = (torch.randn(4096) * 0.02).to(torch.bfloat16)
+
+    class Cfg:
+        def storage_format(self, name):
+            return "fp8" if name == "fp8.weight" else "bf16"
+
+    class Engine:                       # load_named's use of the engine: its parameters and device
+        device = torch.device("cpu")
+        _params = {"fp8.weight": torch.zeros_like(w), "bf16.weight": torch.zeros_like(b)}
+
+        def _resolve(self, name):
+            return name
+    for chunk in cm.QUANT_CHUNKS:
+        quant_chunk(chunk)
+        named = sync_tensors({"fp8.weight": w, "bf16.weight": b}, Cfg(), "fp8")
+        ops = _count_ops(lambda: EmbeddedEngine.load_named(Engine(), named))
+        moved = _count_bytes(lambda: EmbeddedEngine.load_named(Engine(), named))
+        dq = cm._dequant_chunks(1024, 4096, chunk)
+        assert ops == 1 + dq * cm.DEQUANT_CHUNK_OPS + cm.LOAD_CAST_OPS + 1, chunk
+        assert moved == pytest.approx(w.numel() * (cm.DEQUANT_BYTES + cm.LOAD_CAST_BYTES) + 2 * b.numel() * 2,
+                                      rel=2e-4)
+    assert cm._dequant_chunks(1024, 4096, "cpu_sized") == 8 and cm._dequant_chunks(1024, 4096, "gpu") == 1
 
 
 def test_the_qat_weights_once_a_step_at_flash_scale():
     """rl_dryrun on h200_template (Flash at TP8 PP8 EP8 DP2, 4/6x6/3, 128 micro-batches of one sequence a step on
-    each pipeline): quantised at every micro-batch, the QAT was 59 % of the predicted step (205 s of 345: stage 1's
-    175,050 ops a micro-batch 128 times; the other stages' once, in the fill) and its saved copies 65 GiB of stage 1
-    (7 micro-batches in flight, each a 9.3 GiB copy of 6 layers' FP8 linears: 32 experts a layer at EP 8). Once a
-    step: every stage's ops once, on the first micro-batch's path through the pipeline (1,254,378 over the 43
-    layers: 11.5 s, 8 % of 142.5), and one 9.3 GiB copy; stage 1 then holds 214.9 GiB, of which the colocated
-    engine's 98.7 is what does not fit."""
+    each pipeline), in the quantisers' 2^19-element chunks (the code before 3fd1ccf): quantised at every
+    micro-batch, the QAT was 59 % of the predicted step (205 s of 345: stage 1's 175,050 ops a micro-batch 128
+    times; the other stages' once, in the fill) and its saved copies 65 GiB of stage 1 (7 micro-batches in flight,
+    each a 9.3 GiB copy of 6 layers' FP8 linears: 32 experts a layer at EP 8). Once a step (c60489a): every stage's
+    ops once, on the first micro-batch's path through the pipeline (1,254,378 over the 43 layers: 11.5 s, 8 % of
+    142.4), and one 9.3 GiB copy; stage 1 then holds 214.9 GiB, of which the colocated engine's 98.7 is what does
+    not fit. Today's code (3fd1ccf, 2^24-element chunks on the GPU): 98,846 ops, 0.90 s (the host's, just ahead of
+    the bytes' 0.85), and the sync's quantisation of the whole model on rank 0 76.3 -> 4.7 s: 60.2 s a step, the
+    rollout's decode (34.0 s) its largest part."""
     cfg = resolve(Selection(cluster="h200_template", preset="rl_dryrun", environ={}))
     v = cfg.values
     shape = cm.model_shape(v["PRESET_MODEL"], tuple(v["PRESET_MODEL_OVERRIDES"]), v["PRESET_SEQ_LEN"])
     hw = cm.hardware_from_config(cfg, v["PRESET_GPUS_PER_NODE"] or v["V4_NUM_GPUS_PER_NODE"])
-    lay, wl = cm.layout_from_config(cfg, cfg.derived["PP_STAGE_LAYERS"].value), cm.workload_from_config(cfg)
-    assert lay.name() == "TP8 PP8 CP1 EP8 ETP1 DP2 4/6x6/3 mb1" and wl.weight_qdq == "step"
-    assert cm.micro_batches(lay, wl) == 128 and cm.in_flight(lay, 1, 128) == 7
-    new = cm.predict_config(cfg)
+    lay, today = cm.layout_from_config(cfg, cfg.derived["PP_STAGE_LAYERS"].value), cm.workload_from_config(cfg)
+    assert lay.name() == "TP8 PP8 CP1 EP8 ETP1 DP2 4/6x6/3 mb1" and today.weight_qdq == "step"
+    assert today.quant_chunk == "gpu"
+    assert cm.micro_batches(lay, today) == 128 and cm.in_flight(lay, 1, 128) == 7
+    wl = replace(today, quant_chunk="cpu_sized")
+    new = cm.predict(shape, lay, wl, hw)
     old = cm.predict(shape, lay, replace(wl, weight_qdq="micro_batch"), hw)
     h = hw.rates.host_op_s
     ops = [cm.stage_qat(shape, lay, s, wl) for s in range(lay.pp)]
-    assert ops[1] == 175050 and sum(ops) == sum(cm.qat_ops(b, lay) for b in shape.layers) == 1254378
+    assert ops[1] == 175050 and sum(ops) == sum(cm.qat_ops(b, lay, "cpu_sized") for b in shape.layers) == 1254378
     assert old.time[cm.QAT_OPS] == pytest.approx(128 * ops[1] * h)        # the others' once: the fill, in the bubble
     assert new.time[cm.QAT_OPS] == pytest.approx(sum(ops) * h)
     assert old.time[cm.QAT_OPS] / old.step_s == pytest.approx(0.594, abs=0.001)
@@ -663,6 +843,15 @@ def test_the_qat_weights_once_a_step_at_flash_scale():
     assert old.memory.parts[cm.QAT_COPIES] == pytest.approx(7 * copy) and new.memory.parts[cm.QAT_COPIES] == copy
     assert (old.peak_gib, new.peak_gib) == pytest.approx((270.6, 214.9), abs=0.05)
     assert "memory, rollout engine:" in new.overflow and "memory, Adam state" in old.overflow
+    # today's code: the GPU's chunks
+    now = cm.predict_config(cfg)
+    gpu = [cm.stage_qat(shape, lay, s, today) for s in range(lay.pp)]
+    assert sum(gpu) == 98846
+    assert now.time[cm.QAT_OPS] == pytest.approx(sum(gpu) * h) == pytest.approx(0.905, abs=0.001)
+    sync = "weight sync: quantisation and read-back (eager ops)"
+    assert (new.time[sync], now.time[sync]) == pytest.approx((76.26, 4.71), abs=0.01)
+    assert now.step_s == pytest.approx(60.24, abs=0.01) and now.peak_gib == new.peak_gib
+    assert max(now.time, key=now.time.get) == "rollout decode"
 
 
 def test_the_qat_point_quantises_once_inside_the_step():
@@ -676,7 +865,7 @@ def test_the_qat_point_quantises_once_inside_the_step():
         w = torch.nn.Parameter((torch.randn(*shape) * 0.02).to(torch.bfloat16))
         with stepmemo.weights_fixed():
             out = []
-            assert _count_ops(lambda: out.append(quant.fp8_weight_qdq(w))) == cm.fp8_qdq_ops(*shape)
+            assert _count_ops(lambda: out.append(quant.fp8_weight_qdq(w))) == cm.fp8_qdq_ops(*shape, "cpu_sized")
             assert _count_ops(lambda: out.append(quant.fp8_weight_qdq(w))) == 0
             assert out[0].data_ptr() == out[1].data_ptr()
             (out[0].float().sum() + out[1].float().sum()).backward()
