@@ -178,6 +178,14 @@ Subsystem sftp internal-sftp
                 h.sshd.kill(); h.sshd.wait()
         h.sshd = None
 
+    def set_link(self, h: Host, up: bool) -> None:
+        """Host `h` off or back on the network. Its interface going down takes the default route with it (the
+        kernel drops routes through a downed interface): coming back up puts that back, as a later test on this
+        cluster finds it (preflight's socket_ifname picks the default route's interface)."""
+        sh("ip", "netns", "exec", h.ns, "ip", "link", "set", f"v4eth{h.index}", "up" if up else "down")
+        if up:
+            sh("ip", "netns", "exec", h.ns, "ip", "route", "replace", "default", "via", f"{self.subnet}.1")
+
     def restart_sshd(self, h: Host, extra_config: str = "", private_mounts=()) -> None:
         self.stop_sshd(h)
         h.extra_sshd_config, h.private_mounts = extra_config, tuple(private_mounts)

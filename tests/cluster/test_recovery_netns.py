@@ -277,14 +277,13 @@ def test_a_worker_off_the_network_is_named_from_the_gcs(netns_cluster, made, por
     assert cluster.up(cfg, progress=lambda m: None).healthy
     job = JobSpec(submission_id=f"drop-{os.getpid()}", entrypoint="sleep 600", runtime_env={},
                   entrypoint_num_cpus=0, entrypoint_num_gpus=0, timeout_s=300, submit="")
-    link = f"v4eth{w2.index}"
     out = {}
 
     def cut():            # once the job runs
-        c = jobs.client(cfg)
-        wait_for(lambda: jobs.job_status(cfg, job.submission_id, c) == "RUNNING", 120, "the job to run")
+        client = jobs.client(cfg)
+        wait_for(lambda: jobs.job_status(cfg, job.submission_id, client) == "RUNNING", 120, "the job to run")
         out["t"] = time.time()
-        subprocess.run(["ip", "netns", "exec", w2.ns, "ip", "link", "set", link, "down"], check=True)
+        c.set_link(w2, up=False)
 
     import threading
     t = threading.Thread(target=cut, daemon=True)
@@ -293,7 +292,7 @@ def test_a_worker_off_the_network_is_named_from_the_gcs(netns_cluster, made, por
         o = jobs.submit_and_wait(cfg, job, progress=lambda m: None, watch=node_watch(cfg))
     finally:
         t.join()
-        subprocess.run(["ip", "netns", "exec", w2.ns, "ip", "link", "set", link, "up"], check=True)
+        c.set_link(w2, up=True)
     took = time.time() - out["t"]
     assert o.status == "NODE_LOST" and o.lost["nodes"] == [w2.ip], o
     assert f"node {w2.ip} lost: DEAD in the Ray GCS" in o.message
