@@ -14,7 +14,8 @@ and how long a step takes (by part), from the model config and rates measured on
   and expert hidden states, the LM head's fp32 logits or the fused loss's bf16 softmax), sized from the config at a
   rank's shape (sequence over CP, sequence-parallel shards over TP), times the micro-batches the pipeline schedule
   keeps in flight (1F1B: stage s holds PP - s; interleaved more), the grouped GEMM's stacked copy of the local
-  experts (EP = 1: one for the step since 80eff6b, one a micro-batch in flight before and on the QAT path), plus the
+  experts (one for the step since 80eff6b, one a micro-batch in flight before and on the QAT path; at EP > 1 since
+  f338075, where the code before ran one GEMM an expert and stacked nothing), plus the
   largest transient (the indexer's fp32 [S/CP, S/4] scores, which only CP divides; the logits' gradient; one block's
   backward); under FP8 QAT (RL with FP8 sync) the bf16 weight copies out of the QAT point (one for the step since
   c60489a; one a micro-batch in flight before). After the backward, with the activations freed, a finite check of
@@ -95,7 +96,8 @@ GRAD_CHECK = "transient: gradient finite check"
 SPLIT_BYTES = 30
 SPLIT_BACKWARD_BYTES = 6
 FP32_SPLITS = ("step", "micro_batch")
-# the routed experts' weight gradients (EP = 1, the grouped GEMM, no QAT point): "main_grad", moe_impl=grouped since
+# the routed experts' weight gradients (the grouped GEMM, no QAT point: EP = 1, and EP > 1 since f338075, EP_EXPERTS):
+# "main_grad", moe_impl=grouped since
 # 76ff1a9 (dsv4.megatron.layers._ExpertGemm): one GEMM an expert accumulating into megatron's fp32 main_grad in its
 # epilogue (cuBLAS beta = 1), which reads and writes the fp32 gradient (8 bytes an element) where the grouped GEMM
 # wrote a bf16 one (2): EPILOGUE_BYTES more, and no main_grad += grad; "hook", moe_impl=grouped_autograd and the code
@@ -110,18 +112,34 @@ FP32_SPLITS = ("step", "micro_batch")
 # "main_grad" until a timed row says otherwise: at most those ~20 ms a step are there for it to gain
 EPILOGUE_BYTES = 6
 EXPERT_WGRADS = ("main_grad", "hook", "triton")
-# how often the grouped GEMM stacks a layer's local experts into its one [E, out, in] bf16 operand (EP = 1). "step",
+# how often the grouped GEMM stacks a layer's local experts into its one [E, out, in] bf16 operand (EP = 1, and
+# EP > 1 since f338075: EP_EXPERTS). "step",
 # dsv4.megatron.layers._ExpertGemm since 80eff6b: under dsv4.stepmemo.weights_fixed() the stack of
 # the step's first forward is kept (the memo) and every later micro-batch's forward, and a recompute, reuses it, so a
 # stage holds one copy of its blocks' experts for the whole step whatever the micro-batches in flight or the
 # recompute; "micro_batch", the code before (every record so far): every forward stacks afresh and autograd keeps the
 # copy to the block's backward, one a micro-batch in flight (under full recompute only the block being recomputed).
 # The QAT path (a QAT point on the expert weights: RL with FP8 sync) and moe_impl=grouped_autograd stack at every
-# call whatever this says; moe_impl=loop (and EP > 1) stack nothing. The copy reads and writes the stacked bytes once
+# call whatever this says; moe_impl=loop (and EP > 1 before f338075) stack nothing. The copy reads and writes the
+# stacked bytes once
 # (STACK_PASSES; the H200's 32-expert profile: CatArrayBatchedCopy 23.6 ms a step for 32 copies of 1.61 GB, 4.4 TB/s)
 EXPERT_STACKS = ("step", "micro_batch")
 STACK_PASSES = 2
 STACKING = "expert weight stacking"
+# how a rank's local routed experts run at EP > 1, after the all-to-all (dsv4.megatron.layers.ParallelMoE._run_local;
+# EP_EXPERTS). "grouped", since f338075: on CUDA with moe_impl grouped, grouped_triton or grouped_autograd and bf16
+# rows, the rows sorted by local expert go through GroupedExperts exactly as EP = 1's do (_run_grouped): one grouped
+# GEMM a weight over the E/EP local experts, so the stack of their weights (EXPERT_STACKS: once a step under
+# weights_fixed() for grouped and grouped_triton with no QAT point, at every call on the QAT path and for
+# grouped_autograd) and the weight gradients into main_grad (EXPERT_WGRADS) are EP = 1's, at E/EP experts.
+# "loop", the code before (every record so far: `unnamed_as_before`, the 2 x H200 EP2 rows of 2026-11-30 among them):
+# _run_loop, one reference Expert an expert (three GEMMs each, a host sync for the counts), no stack, bf16 weight
+# gradients that megatron's hook adds (GRAD_ACCUM_BYTES). The model has no rate of its own for that loop: its GEMMs
+# are at the fitted grouped "experts" rate either way, and its launches and host sync are not counted (the one
+# per-expert GEMM loop timed here, _ExpertGemm's wgrad at 768 rows an expert, took 124.8 ms where that rate and the
+# epilogue give 105: EXPERT_WGRADS); so "grouped" and "loop" differ by the stack (memory, and its copy's time) and the
+# wgrad's path, not by the GEMMs' rate: the launches the grouped GEMMs save are not predicted
+EP_EXPERTS = ("grouped", "loop")
 # the LM head's loss (ModelConfig.head_loss): bytes an element of the [tokens, vocab / TP] fp32 logits that the loss's
 # memory-bound passes move beyond the head's GEMMs (their output writes and operand reads are in the head's rate),
 # fwd + bwd: DERIVED from what the code does, not measured apart. "eager", split_gemm's fp32 logits, then
@@ -263,6 +281,8 @@ class Workload:
     head_loss: str = "eager"           # HEAD_LOSSES: the LM head's loss (also selected by ModelConfig.head_loss)
     quant_chunk: str = "gpu"           # QUANT_CHUNKS: the eager FP8 quantisers' chunks, 2^24 elements on a GPU
                                        # (3fd1ccf on) or 2^19 (every record so far: `unnamed_as_before`)
+    ep_experts: str = "grouped"        # EP_EXPERTS: at EP > 1 the local experts through the grouped GEMMs (f338075
+                                       # on) or one GEMM an expert (every record so far: `unnamed_as_before`)
 
 
 @dataclass(frozen=True)
@@ -583,11 +603,11 @@ def layout_problems(shape: ModelShape, lay: Layout, wl: Workload, gpus_per_node:
             or wl.adam_kernel not in ADAM_KERNELS or wl.fp32_split not in FP32_SPLITS \
             or wl.expert_wgrad not in EXPERT_WGRADS or wl.weight_qdq not in WEIGHT_QDQS \
             or wl.expert_stack not in EXPERT_STACKS or wl.head_loss not in HEAD_LOSSES \
-            or wl.quant_chunk not in QUANT_CHUNKS:
+            or wl.quant_chunk not in QUANT_CHUNKS or wl.ep_experts not in EP_EXPERTS:
         out.append(f"workload: attn_impl {wl.attn_impl!r}, optimizer {wl.optimizer!r}, recompute {wl.recompute!r}, "
                    f"adam_kernel {wl.adam_kernel!r}, fp32_split {wl.fp32_split!r}, expert_wgrad {wl.expert_wgrad!r}, "
                    f"weight_qdq {wl.weight_qdq!r}, expert_stack {wl.expert_stack!r}, head_loss {wl.head_loss!r}, "
-                   f"quant_chunk {wl.quant_chunk!r}")
+                   f"quant_chunk {wl.quant_chunk!r}, ep_experts {wl.ep_experts!r}")
     return out
 
 
@@ -707,22 +727,27 @@ def grad_buffers(items, lay: Layout, wl: Workload) -> dict:
 
 
 def stacked_expert_bytes(blk: Block, lay: Layout) -> float:
-    """The bf16 copy of a block's local routed experts that the grouped GEMM stacks (dsv4.megatron.layers.
-    GroupedExperts: w1, w3 and w2 of every expert as one [E, out, in] operand, which autograd keeps for the
-    backward); only at EP = 1, where the trainer runs the grouped GEMM (EP > 1 runs one GEMM an expert). How often,
-    and so how many copies are held: expert_stacking."""
-    if lay.ep > 1:
-        return 0.0
-    return sum(n for (shard, _, _), n in blk.params if shard == "exp") / lay.etp * 2
+    """The bf16 copy of a block's local routed experts (E/EP of them, each 1/ETP) that the grouped GEMM stacks
+    (dsv4.megatron.layers.GroupedExperts: w1, w3 and w2 of every local expert as one [E/EP, out, in] operand, which
+    autograd keeps for the backward), where a stack is made: whether, and how often (so how many copies are held),
+    is expert_stacking's."""
+    return sum(_on_rank(shard, n, lay) for (shard, _, _), n in blk.params if shard == "exp") * 2
+
+
+def grouped_experts(shape: ModelShape, lay: Layout, wl: Workload) -> bool:
+    """A rank's local routed experts run through GroupedExperts (the grouped GEMMs): moe_impl grouped* at EP = 1
+    (ParallelMoE._routed_grouped), and at EP > 1 since f338075 (_run_local -> _run_grouped; Workload.ep_experts
+    "grouped"); not under moe_impl=loop, nor at EP > 1 in the code before (ep_experts "loop": one GEMM an expert)."""
+    return shape.cfg.moe_impl.startswith("grouped") and (lay.ep == 1 or wl.ep_experts == "grouped")
 
 
 def expert_stacking(shape: ModelShape, lay: Layout, wl: Workload) -> str:
     """How the trainer stacks the local experts for the grouped GEMM (EXPERT_STACKS): "step" where _ExpertGemm runs
     (moe_impl grouped or grouped_triton, plain bf16 weights: no QAT point) under today's code, "micro_batch" where
     the stack is made at every call (the code before, the QAT path, grouped_autograd), "" where nothing is stacked
-    (EP > 1, moe_impl=loop)."""
+    (moe_impl=loop; EP > 1 before f338075: grouped_experts). At EP > 1 as at EP = 1, over the E/EP local experts."""
     impl = shape.cfg.moe_impl
-    if lay.ep > 1 or not impl.startswith("grouped"):
+    if not grouped_experts(shape, lay, wl):
         return ""
     if wl.expert_stack == "step" and impl in ("grouped", "grouped_triton") and not fp8_qat(shape, wl):
         return "step"
@@ -743,15 +768,16 @@ def fp8_qat(shape: ModelShape, wl: Workload) -> bool:
     return bool(shape.cfg.qat_rollout_fp8) or (wl.rl is not None and wl.rl.sync_format == "fp8")
 
 
-def qat_copy_bytes(blk: Block, lay: Layout, weight_qdq: str = "step") -> float:
+def qat_copy_bytes(blk: Block, lay: Layout, weight_qdq: str = "step", grouped: bool = True) -> float:
     """The bf16 copies of a block's FP8 linears out of the QAT point on one rank. weight_qdq="micro_batch" (the code
     before c60489a): what each forward makes and the GEMMs save for the backward (F.linear keeps its weight
-    argument, which is now a new tensor, not the parameter); the routed experts at EP = 1 are stacked anyway
-    (stacked_expert_bytes), their QAT'd copies freed once stacked. "step": the step's stored values (WEIGHT_QDQS),
-    which every forward views; the routed experts at EP = 1 included, as the store keeps theirs past the stacking."""
+    argument, which is now a new tensor, not the parameter); the routed experts, where they run grouped
+    (grouped_experts: `grouped`), are stacked anyway (stacked_expert_bytes), their QAT'd copies freed once stacked.
+    "step": the step's stored values (WEIGHT_QDQS), which every forward views; the routed experts included, as the
+    store keeps theirs past the stacking."""
     total = 0.0
     for lin, count in blk.fp8:
-        if lin[0] == "exp" and lay.ep == 1 and weight_qdq == "micro_batch":
+        if lin[0] == "exp" and grouped and weight_qdq == "micro_batch":
             continue
         n, k, share = _rank_linear(lin, lay)
         total += n * k * count * share * 2
@@ -939,13 +965,14 @@ def stage_memory(shape: ModelShape, lay: Layout, wl: Workload, rates: Rates | No
     saved: dict[str, float] = {}
     transient_blocks, idx_ws, stacked, stacked_one, qat, qat_one = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     qat_on = fp8_qat(shape, wl)
+    grouped = grouped_experts(shape, lay, wl)
     for b, count in _stage_kinds(shape, lay, stage, wl, ctx):
         if b.key.startswith("mtp.") and not wl.mtp:
             continue                                  # MTP neither runs nor trains without its loss
         stacked += stacked_expert_bytes(b, lay) * count
         stacked_one = max(stacked_one, stacked_expert_bytes(b, lay))
         if qat_on:
-            q = qat_copy_bytes(b, lay, wl.weight_qdq)
+            q = qat_copy_bytes(b, lay, wl.weight_qdq, grouped)
             qat += q * count
             qat_one = max(qat_one, q)
         acts, trans, iws = _memo(ctx, ("acts", b.kind, lay.tp, lay.cp, lay.etp, lay.micro_batch),
@@ -1161,11 +1188,13 @@ def stage_time(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, stage
 def expert_wgrad_path(shape: ModelShape, lay: Layout, wl: Workload) -> str:
     """Where the routed experts' weight gradients go (EXPERT_WGRADS): "main_grad" (dsv4.megatron.layers._ExpertGemm,
     one cuBLAS GEMM an expert accumulating into main_grad) or "triton" (one Triton grouped GEMM a weight doing the
-    same: moe_impl=grouped_triton, or the workload's expert_wgrad) for the grouped GEMM (EP = 1) of plain bf16
-    weights (no QAT point) under today's code; "hook" (a bf16 gradient that megatron's hook adds) otherwise: EP > 1,
-    FP8 QAT, moe_impl grouped_autograd or loop, the code before 76ff1a9."""
+    same: moe_impl=grouped_triton, or the workload's expert_wgrad) for the grouped GEMM (grouped_experts: EP = 1,
+    and EP > 1 since f338075) of plain bf16 weights (no QAT point) under today's code; "hook" (a bf16 gradient that
+    megatron's hook adds) otherwise: EP > 1 before f338075 (ep_experts "loop"), FP8 QAT, moe_impl grouped_autograd
+    or loop, the code before 76ff1a9."""
     impl = shape.cfg.moe_impl
-    if wl.expert_wgrad == "hook" or lay.ep > 1 or fp8_qat(shape, wl) or impl in ("grouped_autograd", "loop"):
+    if wl.expert_wgrad == "hook" or not grouped_experts(shape, lay, wl) or fp8_qat(shape, wl) \
+            or impl == "grouped_autograd":
         return "hook"
     return "triton" if wl.expert_wgrad == "triton" or impl == "grouped_triton" else "main_grad"
 
@@ -2179,11 +2208,14 @@ def validation_cases(path: str = str(VALIDATION_FILE)) -> list:
 
 def unnamed_as_before(case) -> dict:
     """Workload fields that a case (a plan_validation.jsonl row, a bench record's plan) which does not name them ran
-    as the code before: expert_stack "micro_batch" (the stack once a step came with 80eff6b) and quant_chunk
-    "cpu_sized" (the quantisers' 2^24-element chunks on a GPU came with 3fd1ccf), both after every row and record so
-    far; a row or record of later code names them, as BenchShape.to_json does. A gap has not run yet: it is to be
-    measured with today's code, the Workload's defaults (its command runs the code checked out)."""
-    return {} if case.source == "gap" else {"expert_stack": "micro_batch", "quant_chunk": "cpu_sized"}
+    as the code before: expert_stack "micro_batch" (the stack once a step came with 80eff6b), quant_chunk
+    "cpu_sized" (the quantisers' 2^24-element chunks on a GPU came with 3fd1ccf) and ep_experts "loop" (EP > 1's
+    local experts through the grouped GEMMs came with f338075), all after every row and record so far; a row or
+    record of later code names them, as BenchShape.to_json does (a bench's process is EP = 1: BenchShape has no
+    ep_experts, from_case ignores it). A gap has not run yet: it is to be measured with today's code, the Workload's
+    defaults (its command runs the code checked out)."""
+    return {} if case.source == "gap" else {"expert_stack": "micro_batch", "quant_chunk": "cpu_sized",
+                                            "ep_experts": "loop"}
 
 
 def _case_hardware(case, world: int) -> Hardware:

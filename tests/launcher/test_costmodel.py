@@ -209,8 +209,9 @@ def test_the_grouped_gemms_stacked_expert_copies_are_counted():
     """dsv4.megatron.layers.GroupedExperts stacks each layer's w1, w3 and w2 of every local expert into one bf16
     operand (once a step since 80eff6b), which autograd keeps for the backward: 4 layers x 3 x E x 2048 x 4096 x 2
     bytes, 6 GiB at 32 experts. They are what the measured peak grows by beyond the state from 8 to 32 experts
-    (46.2 GiB against 41.6 of weights, gradients and Adam state); EP > 1 runs one GEMM an expert and stacks
-    nothing."""
+    (46.2 GiB against 41.6 of weights, gradients and Adam state). At EP > 1 the code since f338075 stacks a rank's
+    E/EP local experts as EP = 1 stacks its E (Workload.ep_experts "grouped"); the code before ran one GEMM an expert
+    and stacked nothing ("loop")."""
     p32 = _e32_prediction()
     p8 = cm.predict(cm.model_shape("4layer", ("n_routed_experts=8",), 4096), cm.Layout(), cm.Workload(),
                     hardware(gpn=1))
@@ -221,7 +222,11 @@ def test_the_grouped_gemms_stacked_expert_copies_are_counted():
     assert math.isfinite(growth) and growth == pytest.approx(108.2 - 62.0, rel=0.02)
     ep2 = cm.predict(cm.model_shape("4layer", ("n_routed_experts=8",), 4096), cm.Layout(ep=2, dp=2),
                      cm.Workload(global_batch=4), hardware(gpn=2))
-    assert cm.STACKED not in ep2.memory.parts
+    assert stacked(ep2) == pytest.approx(stacked(p8) / 2)            # 4 local experts a layer
+    loop = cm.predict(cm.model_shape("4layer", ("n_routed_experts=8",), 4096), cm.Layout(ep=2, dp=2),
+                      cm.Workload(global_batch=4, ep_experts="loop"), hardware(gpn=2))
+    assert cm.STACKED not in loop.memory.parts
+    assert ep2.peak_gib - loop.peak_gib == pytest.approx(stacked(ep2))
     # the code before 80eff6b: one copy a micro-batch in flight, so stage 0 of a 2-stage pipeline holds two; today
     # one for the step (test_the_expert_stack_once_a_step_by_memory)
     for stack, copies in (("micro_batch", 2), ("step", 1)):
@@ -322,7 +327,7 @@ def test_the_expert_stack_once_a_step_by_memory():
     # one GPU, no recompute: one micro-batch in flight, the same either way (the fit and every measured peak)
     assert _stacked_gib(e8, cm.Layout(), step) == _stacked_gib(e8, cm.Layout(), before) == pytest.approx(4 * block)
     # the QAT path (FP8 QAT: RL with FP8 sync, qat_rollout_fp8) and grouped_autograd stack at every call whatever the
-    # workload says; moe_impl=loop and EP > 1 stack nothing
+    # workload says; moe_impl=loop and EP > 1 before f338075 (ep_experts "loop") stack nothing
     qat = cm.model_shape("4layer", ("n_routed_experts=8", "qat_rollout_fp8=true"), 4096)
     assert cm.fp8_qat(qat, step) and cm.expert_stacking(qat, pp2, step) == "micro_batch"
     assert _stacked_gib(qat, pp2, step, 2) == pytest.approx(2 * 3 * block)
@@ -332,7 +337,9 @@ def test_the_expert_stack_once_a_step_by_memory():
     assert cm.expert_stacking(triton, pp2, step) == "step"
     loop = cm.model_shape("4layer", ("n_routed_experts=8", "moe_impl=loop"), 4096)
     assert cm.expert_stacking(loop, cm.Layout(), step) == "" and _stacked_gib(loop, cm.Layout(), step) == 0
-    assert cm.expert_stacking(e8, cm.Layout(ep=2, dp=2), step) == ""
+    assert cm.expert_stacking(e8, cm.Layout(ep=2, dp=2), step) == "step"
+    assert cm.expert_stacking(e8, cm.Layout(ep=2, dp=2), replace(step, ep_experts="loop")) == ""
+    assert cm.expert_stacking(loop, cm.Layout(ep=2, dp=2), step) == ""
     assert cm.layout_problems(e8, cm.Layout(), replace(step, expert_stack="sometimes"), 8)
 
 
@@ -368,7 +375,8 @@ def test_the_rows_before_the_stack_once_a_step_predict_their_own_code():
     cases = {c.name: c for c in cm.validation_cases()}
     assert all("expert_stack" not in c.workload for c in cases.values())
     e32 = cases["32-expert EP-8 rank shape (76ff1a9)"]
-    assert cm.unnamed_as_before(e32) == {"expert_stack": "micro_batch", "quant_chunk": "cpu_sized"}
+    assert cm.unnamed_as_before(e32) == {"expert_stack": "micro_batch", "quant_chunk": "cpu_sized",
+                                         "ep_experts": "loop"}
     p, _ = cm.case_prediction(e32)
     assert p.workload.expert_stack == "micro_batch" and cm.STACKING in p.time
     assert p.step_s == pytest.approx(_e32_prediction().step_s + 7 * p.time[cm.STACKING] / 8)
@@ -419,6 +427,79 @@ def test_the_rows_before_the_gpus_quant_chunks_predict_their_own_code():
     assert any("2^24-element chunks" in n for n in gpu.notes) and not any("2^24" in n for n in cpu.notes)
 
 
+def test_ep_ranks_local_experts_through_the_grouped_gemms(flash):
+    """f338075: at EP > 1 a rank's E/EP local experts run through GroupedExperts as EP = 1's run (Workload.ep_experts
+    "grouped"), where the code before ran one GEMM an expert ("loop"). Flash's EP 8 rank of `v4 plan` (TP1 PP8 EP8
+    DP8, 4/6x6/3, 16 micro-batches a pipeline): stage 1 holds one stacked copy of its 6 layers' 32 experts for the
+    step (9.0 GiB; none in the loop), stacks them once a step at the streaming rate, and its experts' weight
+    gradients go into main_grad in the GEMM's epilogue (6 bytes at the streaming rate) instead of megatron's hook
+    (10 at the accumulation's rate). The experts' GEMMs are at the one fitted "experts" rate either way: the model has
+    no rate of its own for the per-expert loop."""
+    lay = cm.Layout(pp=8, ep=8, dp=8, stages=(4, 6, 6, 6, 6, 6, 6, 3))
+    today, loop = cm.Workload(4096, 128), cm.Workload(4096, 128, ep_experts="loop")
+    assert today.ep_experts == "grouped"
+    hw = hardware()
+    g, old = cm.predict(flash, lay, today, hw), cm.predict(flash, lay, loop, hw)
+    layer = 32 * 3 * 4096 * 2048 * 2 / GiB                                # one layer's 32 local experts, bf16
+    assert layer == 1.5 and g.memory.stage == old.memory.stage == 1
+    assert g.memory.parts[cm.STACKED] == pytest.approx(6 * layer) and cm.STACKED not in old.memory.parts
+    assert g.peak_gib - old.peak_gib == pytest.approx(6 * layer)
+    grown = [round(a - b, 6) for a, b in zip(g.stage_memory_gib, old.stage_memory_gib)]
+    assert grown == [4 * layer] + [6 * layer] * 6 + [3 * layer]
+    assert (cm.expert_stacking(flash, lay, today), cm.expert_stacking(flash, lay, loop)) == ("step", "")
+    assert (cm.expert_wgrad_path(flash, lay, today), cm.expert_wgrad_path(flash, lay, loop)) == ("main_grad", "hook")
+    # time: the same GEMMs and all-to-alls; the stack once a step, the wgrad's epilogue for megatron's hook
+    for k in ("routed experts", "EP all-to-all", "attention projections", "fixed per layer"):
+        assert g.time[k] == old.time[k], k
+    R, M = hw.rates, cm.micro_batches(lay, today)
+    experts = 6 * 32 * 3 * 4096 * 2048                                    # stage 1's expert weights
+    assert M == 16 and cm.STACKING not in old.time and "experts' wgrad into main_grad" not in old.time
+    assert g.time[cm.STACKING] == pytest.approx(6 * layer * GiB * cm.STACK_PASSES / (R.stream_gbps * 1e9))
+    assert g.time["experts' wgrad into main_grad"] == pytest.approx(
+        M * experts * cm.EPILOGUE_BYTES / (R.stream_gbps * 1e9))
+    assert old.time["gradient accumulation"] - g.time["gradient accumulation"] == pytest.approx(
+        M * experts * cm.GRAD_ACCUM_BYTES / (R.grad_accum_gbps * 1e9))
+    assert (round(old.step_s, 2), round(g.step_s, 2)) == (4.81, 4.58)
+    # ETP: the same elements a rank stacks at EP 4 x ETP 2 as at EP 8
+    b = flash.layers[-1]
+    assert cm.stacked_expert_bytes(b, cm.Layout(tp=2, ep=4, etp=2)) == cm.stacked_expert_bytes(b, lay) == layer * GiB
+    # the QAT path at every forward: stacked, so the experts' own QAT'd copies of the code before c60489a are freed;
+    # one GEMM an expert keeps them (at EP = 1 under moe_impl=loop too)
+    assert cm.qat_copy_bytes(b, lay, "micro_batch", True) < cm.qat_copy_bytes(b, lay, "micro_batch", False) \
+        == cm.qat_copy_bytes(b, lay, "step")
+    assert cm.layout_problems(flash, lay, replace(today, ep_experts="sometimes"), 8)
+
+
+def test_the_ep_rows_ran_one_gemm_an_expert():
+    """Every row so far at EP > 1 ran the loop (f338075 came after): a case that does not name ep_experts is that
+    code, so the 2 x H200 rows of 2026-11-30 (8 experts, 4 a rank) stack nothing and keep their figures (the TP2 EP2
+    step ratio its known miss, 0.623 against 0.844). Today's code would stack 0.75 GiB of them. The recipes fit in
+    today's code too (Flash TP8 PP8 EP8 on 64 H200: 115.9 GiB with the 9.0 GiB stack)."""
+    import msgspec
+    cases = {c.name: c for c in cm.validation_cases()}
+    assert all("ep_experts" not in c.workload for c in cases.values())
+    rows = {(r["name"], r["quantity"]): r for r in cm.validation_table()}
+    for name in ("2 x H200 EP2 DP2 / 1 GPU", "2 x H200 TP2 EP2 / 1 GPU"):
+        p, _ = cm.case_prediction(cases[name])
+        assert p.layout.ep == 2 and p.workload.ep_experts == "loop"
+        assert cm.STACKED not in p.memory.parts and "experts' wgrad into main_grad" not in p.time
+        now, _ = cm.case_prediction(msgspec.structs.replace(cases[name], workload={
+            **cases[name].workload, "ep_experts": "grouped", "expert_stack": "step"}))
+        assert now.memory.parts[cm.STACKED] == pytest.approx(4 * 4 * 3 * 4096 * 2048 * 2 / GiB) == 0.75
+    assert rows[("2 x H200 TP2 EP2 / 1 GPU", "s/step ratio")]["predicted"] == pytest.approx(0.623, abs=0.001)
+    assert rows[("2 x H200 EP2 DP2 / 1 GPU", "s/step ratio")]["predicted"] == pytest.approx(0.570, abs=0.001)
+    for c in cases.values():
+        p, _ = cm.case_prediction(c)
+        if p is not None and p.layout.ep > 1:
+            assert p.workload.ep_experts == "loop", c.name
+    recipe = cases["V4-Flash TP8 PP8 EP8 on 64 H200"]
+    today = msgspec.structs.replace(recipe, workload={"ep_experts": "grouped", "expert_stack": "step",
+                                                      "quant_chunk": "gpu"})
+    p, _ = cm.case_prediction(today)
+    assert p.fits and p.memory.parts[cm.STACKED] == pytest.approx(9.0) and p.peak_gib == pytest.approx(115.9, abs=0.05)
+    assert rows[("V4-Flash TP8 PP8 EP8 on 64 H200", "peak GiB")]["predicted"] == pytest.approx(106.9, abs=0.05)
+
+
 def test_the_triton_grouped_wgrad_is_the_grouped_rate_and_one_fp32_pass():
     """moe_impl=grouped_triton (dsv4/kernels/triton_grouped_wgrad.py, not yet timed): the experts' weight gradients
     at the grouped GEMM's fitted rate with the fp32 main_grad read and written once a micro-batch, the same bytes
@@ -433,7 +514,8 @@ def test_the_triton_grouped_wgrad_is_the_grouped_rate_and_one_fp32_pass():
         assert p.time == main.time and p.peak_gib == main.peak_gib
         assert any("grouped_triton" in n and "not yet timed" in n for n in p.notes)
     assert cm.expert_wgrad_path(triton, cm.Layout(), cm.Workload()) == "triton"
-    assert cm.expert_wgrad_path(triton, cm.Layout(ep=2, dp=2), cm.Workload()) == "hook"
+    assert cm.expert_wgrad_path(triton, cm.Layout(ep=2, dp=2), cm.Workload()) == "triton"         # f338075 on
+    assert cm.expert_wgrad_path(triton, cm.Layout(ep=2, dp=2), cm.Workload(ep_experts="loop")) == "hook"
     assert cm.expert_wgrad_path(triton, cm.Layout(), cm.Workload(expert_wgrad="hook")) == "hook"
     assert not cm.layout_problems(triton, cm.Layout(), cm.Workload(expert_wgrad="triton"), 8)
     cfg = load(Selection(hw="h200", sets=("PRESET_MODEL_OVERRIDES=moe_impl=grouped_triton head_loss=fused",),
@@ -817,9 +899,12 @@ def test_the_qat_weights_once_a_step_at_flash_scale():
     each a 9.3 GiB copy of 6 layers' FP8 linears: 32 experts a layer at EP 8). Once a step (c60489a): every stage's
     ops once, on the first micro-batch's path through the pipeline (1,254,378 over the 43 layers: 11.5 s, 8 % of
     142.4), and one 9.3 GiB copy; stage 1 then holds 214.9 GiB, of which the colocated engine's 98.7 is what does
-    not fit. Today's code (3fd1ccf, 2^24-element chunks on the GPU): 98,846 ops, 0.90 s (the host's, just ahead of
-    the bytes' 0.85), and the sync's quantisation of the whole model on rank 0 76.3 -> 4.7 s: 60.2 s a step, the
-    rollout's decode (34.0 s) its largest part."""
+    not fit. With 3fd1ccf's 2^24-element chunks on the GPU: 98,846 ops, 0.90 s (the host's, just ahead of the bytes'
+    0.85), and the sync's quantisation of the whole model on rank 0 76.3 -> 4.7 s: 60.2 s a step, the rollout's
+    decode (34.0 s) its largest part. All of that is one GEMM an expert at EP 8 (the code before f338075). Today's
+    code runs the rank's 32 local experts through the grouped GEMMs, which on the QAT path stack the QAT'd experts
+    at every forward and keep each copy to its backward: 7 x 9.0 GiB on stage 1 (277.9 GiB), their copies 0.70 s
+    and the wgrad still megatron's hook (no main_grad epilogue on the QAT path): 61.0 s."""
     cfg = resolve(Selection(cluster="h200_template", preset="rl_dryrun", environ={}))
     v = cfg.values
     shape = cm.model_shape(v["PRESET_MODEL"], tuple(v["PRESET_MODEL_OVERRIDES"]), v["PRESET_SEQ_LEN"])
@@ -828,7 +913,8 @@ def test_the_qat_weights_once_a_step_at_flash_scale():
     assert lay.name() == "TP8 PP8 CP1 EP8 ETP1 DP2 4/6x6/3 mb1" and today.weight_qdq == "step"
     assert today.quant_chunk == "gpu"
     assert cm.micro_batches(lay, today) == 128 and cm.in_flight(lay, 1, 128) == 7
-    wl = replace(today, quant_chunk="cpu_sized")
+    assert today.ep_experts == "grouped"
+    wl = replace(today, quant_chunk="cpu_sized", ep_experts="loop")
     new = cm.predict(shape, lay, wl, hw)
     old = cm.predict(shape, lay, replace(wl, weight_qdq="micro_batch"), hw)
     h = hw.rates.host_op_s
@@ -843,15 +929,24 @@ def test_the_qat_weights_once_a_step_at_flash_scale():
     assert old.memory.parts[cm.QAT_COPIES] == pytest.approx(7 * copy) and new.memory.parts[cm.QAT_COPIES] == copy
     assert (old.peak_gib, new.peak_gib) == pytest.approx((270.6, 214.9), abs=0.05)
     assert "memory, rollout engine:" in new.overflow and "memory, Adam state" in old.overflow
-    # today's code: the GPU's chunks
-    now = cm.predict_config(cfg)
+    # the GPU's chunks (3fd1ccf), the experts still one GEMM each
+    chunks = cm.predict(shape, lay, replace(today, ep_experts="loop"), hw)
     gpu = [cm.stage_qat(shape, lay, s, today) for s in range(lay.pp)]
     assert sum(gpu) == 98846
-    assert now.time[cm.QAT_OPS] == pytest.approx(sum(gpu) * h) == pytest.approx(0.905, abs=0.001)
+    assert chunks.time[cm.QAT_OPS] == pytest.approx(sum(gpu) * h) == pytest.approx(0.905, abs=0.001)
     sync = "weight sync: quantisation and read-back (eager ops)"
-    assert (new.time[sync], now.time[sync]) == pytest.approx((76.26, 4.71), abs=0.01)
-    assert now.step_s == pytest.approx(60.24, abs=0.01) and now.peak_gib == new.peak_gib
-    assert max(now.time, key=now.time.get) == "rollout decode"
+    assert (new.time[sync], chunks.time[sync]) == pytest.approx((76.26, 4.71), abs=0.01)
+    assert chunks.step_s == pytest.approx(60.24, abs=0.01) and chunks.peak_gib == new.peak_gib
+    assert max(chunks.time, key=chunks.time.get) == "rollout decode"
+    # today's code (f338075): the grouped GEMMs' stack at every forward on the QAT path, one a micro-batch in flight
+    now = cm.predict_config(cfg)
+    stack = 6 * 32 * 3 * 4096 * 2048 * 2 / GiB                            # stage 1's 6 layers, 32 experts each
+    assert cm.expert_stacking(shape, lay, today) == "micro_batch" and cm.expert_wgrad_path(shape, lay, today) == "hook"
+    assert now.memory.stage == 1 and now.memory.parts[cm.STACKED] == pytest.approx(7 * stack) == 63.0
+    assert now.peak_gib == pytest.approx(chunks.peak_gib + 7 * stack) == pytest.approx(277.9, abs=0.05)
+    assert now.time[cm.QAT_OPS] == chunks.time[cm.QAT_OPS] and now.time[sync] == chunks.time[sync]
+    assert now.time[cm.STACKING] == pytest.approx(0.696, abs=0.001)
+    assert now.step_s == pytest.approx(60.97, abs=0.01)
 
 
 def test_the_qat_point_quantises_once_inside_the_step():
