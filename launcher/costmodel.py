@@ -737,8 +737,12 @@ def stacked_expert_bytes(blk: Block, lay: Layout) -> float:
 def grouped_experts(shape: ModelShape, lay: Layout, wl: Workload) -> bool:
     """A rank's local routed experts run through GroupedExperts (the grouped GEMMs): moe_impl grouped* at EP = 1
     (ParallelMoE._routed_grouped), and at EP > 1 since f338075 (_run_local -> _run_grouped; Workload.ep_experts
-    "grouped"); not under moe_impl=loop, nor at EP > 1 in the code before (ep_experts "loop": one GEMM an expert)."""
-    return shape.cfg.moe_impl.startswith("grouped") and (lay.ep == 1 or wl.ep_experts == "grouped")
+    "grouped") unless a QAT point changes the expert weights (fp8_qat: _run_local keeps the loop, whose GEMMs read
+    the step's stored QAT values where the grouped form would stack them at every forward); not under
+    moe_impl=loop, nor at EP > 1 in the code before (ep_experts "loop": one GEMM an expert)."""
+    if not shape.cfg.moe_impl.startswith("grouped"):
+        return False
+    return lay.ep == 1 or (wl.ep_experts == "grouped" and not fp8_qat(shape, wl))
 
 
 def expert_stacking(shape: ModelShape, lay: Layout, wl: Workload) -> str:

@@ -536,8 +536,11 @@ class ParallelMoE(nn.Module):
             expert_of_row = torch.arange(self.n_local, device=rows.device).repeat(counts.shape[0])
             perm = torch.argsort(torch.repeat_interleave(expert_of_row, counts.reshape(-1)), stable=True)
             rows, w = rows[perm], w[perm]
+        # not where a QAT point changes the expert weights (RL with FP8 sync): the grouped form would stack their
+        # QAT'd values afresh at every forward, a copy of the local experts a micro-batch in flight, where the loop's
+        # GEMMs read the step's stored values (63 GiB more at rl_dryrun's TP8 PP8 EP8 by the cost model)
         if (self.cfg.moe_impl.startswith("grouped") and rows.is_cuda and rows.dtype == torch.bfloat16
-                and rows.shape[0] > 0):
+                and rows.shape[0] > 0 and next(iter(self.experts.values())).w1.qat_weight is None):
             out = self._run_grouped(rows, w, counts.sum(0))
         else:
             out = self._run_loop(rows, w, counts.sum(0).tolist())
