@@ -25,7 +25,6 @@ from dsv4 import model as ref
 from dsv4 import quant
 from dsv4.config import ModelConfig
 from dsv4.kernels import reference as kref
-from dsv4.kernels import triton_grouped_wgrad
 from dsv4.stepmemo import Memo, weight_key
 from dsv4.megatron import cp_attention as cpa
 from dsv4.megatron.parallel import (CPSplit, Ranks, cp_all_reduce_nograd, mark_expert, mark_replicated, mark_tp,
@@ -378,6 +377,7 @@ class _ExpertGemm(torch.autograd.Function):
         a, offs, stacked = ctx.saved_tensors
         da = torch._grouped_mm(dy, stacked, offs=offs) if ctx.needs_input_grad[0] else None
         if ctx.host is None:
+            from dsv4.kernels import triton_grouped_wgrad      # imports Triton: only where this path runs
             triton_grouped_wgrad.accumulate(dy.contiguous(), a.contiguous(), offs, [w.main_grad for w in ctx.weights])
             return (da, None, None) + (None,) * len(ctx.weights)
         b = ctx.host.bounds()
