@@ -343,7 +343,7 @@ def run_stage_script(device: str, dtype: str) -> None:
         print("ok", lm0, lm1, mtp0, mtp1, "worst gradient difference", worst)
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
     print(r.stdout.strip().splitlines()[-1])
 

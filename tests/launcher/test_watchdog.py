@@ -58,7 +58,7 @@ def ranks(tmp_path):
     def start(rank, world, marks, hang=""):
         p = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "heartbeat"), str(rank), str(world),
                               str(marks), hang], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))})
         procs.append(p)
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
         return p

@@ -241,7 +241,7 @@ def test_ranks_ray_can_never_place_fail_at_once_with_the_numbers():
               "_launch_ray; t0 = time.time(); code = _launch_ray(lambda *a: 0, 3, None, 'cpu', 0, print); "
               "print('code', code, 'after', round(time.time() - t0, 1))")
     p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), "RAY_ADDRESS": ""})
     assert "code 1 after" in p.stdout, p.stdout + p.stderr[-2000:]
     assert "3 ranks of {'CPU': 1} can never be placed: they need 3 CPU, the whole Ray cluster has 2 CPU" in p.stdout
     assert float(p.stdout.split("after")[1]) < 10
@@ -252,5 +252,5 @@ def test_the_drivers_own_cpu_counts_against_the_ranks():
     script = ("import ray; ray.init(num_cpus=2, include_dashboard=False); from dsv4.megatron.launch import "
               "_launch_ray; print('code', _launch_ray(lambda *a: 0, 2, None, 'cpu', 0, print))")
     p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "", "V4_JOB_DRIVER_CPUS": "1"})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), "RAY_ADDRESS": "", "V4_JOB_DRIVER_CPUS": "1"})
     assert "code 1" in p.stdout and "has 2 CPU (1 held by this job's driver)" in p.stdout, p.stdout + p.stderr[-2000:]

@@ -140,7 +140,7 @@ with rankshape.standin(2):
 torch.save(shapes, {str(tmp_path / 'standin.pt')!r})
 """
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))})
     assert r.returncode == 0, r.stderr[-3000:]
     params, inputs = torch.load(tmp_path / "standin.pt")
     assert params == real_params                    # heads, groups, shared expert and vocabulary: rank 0's slices

@@ -52,6 +52,6 @@ def run_trainer(out: Path, **options) -> list[dict]:
     """Three GRPO steps; `options` are RLConfig fields, plus `urls` for served engines. -> the metrics rows."""
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(TRAINER), str(out), str(free_port()),
                         json.dumps(options)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads((out / "rows.json").read_text())

@@ -76,7 +76,7 @@ sys.exit(code)
 def trainer(out: Path, kill_after: int, budget: int | None) -> tuple[subprocess.CompletedProcess, list[dict]]:
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(TRAINER), str(out), str(free_port()), str(free_port()),
                         str(kill_after), json.dumps(budget)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), "OMP_NUM_THREADS": "1"})
     rows = json.loads((out / "rows.json").read_text()) if (out / "rows.json").is_file() else []
     return r, rows
 
