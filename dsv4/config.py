@@ -98,8 +98,10 @@ class ModelConfig:
     moe_impl: str = "grouped"
     # the LM head's loss at TP = 1 on CUDA: "eager" = fp32 logits, then F.cross_entropy (log-softmax kept for the
     # backward); "fused" = the head GEMM and the cross-entropy as one autograd function that keeps what the
-    # backward needs in bf16 and writes the logits' gradient in bf16 (dsv4/kernels/head_loss.py)
-    head_loss: str = "eager"
+    # backward needs in bf16 and writes the logits' gradient in bf16 (dsv4/kernels/head_loss.py): 2-4 % off the H200
+    # step and 3.5-7.8 GB off its peak, the losses equal (docs/training.md); elsewhere (TP > 1, a CPU, fp32_gemm other
+    # than bf16x3_fwd) the eager loss runs
+    head_loss: str = "fused"
     indexer_loss_coeff: float = 0.0      # weight of the KL indexer loss that trainers add (the model only reports it)
     seed: int = 0                        # deterministic initialisation
 

@@ -278,7 +278,8 @@ class Workload:
                                        # every micro-batch
     expert_stack: str = "step"         # EXPERT_STACKS: the grouped GEMM's expert stack once a step (80eff6b on)
                                        # or at every forward (every record so far: `unnamed_as_before`)
-    head_loss: str = "eager"           # HEAD_LOSSES: the LM head's loss (also selected by ModelConfig.head_loss)
+    head_loss: str = "fused"           # HEAD_LOSSES: the LM head's loss, ModelConfig.head_loss (fused: cccd6ba's
+                                       # records on; eager before, every earlier record: `unnamed_as_before`)
     quant_chunk: str = "gpu"           # QUANT_CHUNKS: the eager FP8 quantisers' chunks, 2^24 elements on a GPU
                                        # (3fd1ccf on) or 2^19 (every record so far: `unnamed_as_before`)
     ep_experts: str = "grouped"        # EP_EXPERTS: at EP > 1 the local experts through the grouped GEMMs (f338075
@@ -937,8 +938,7 @@ def head_loss_of(shape: ModelShape, lay: Layout, wl: Workload) -> str:
     dsv4.megatron.model.DSV4Stage.fused_head_loss runs it, at TP = 1 with the bf16x3_fwd head GEMM (RL's scored
     log-probabilities and the MTP heads too); "eager" otherwise (the vocab-parallel cross-entropy at TP > 1)."""
     c = shape.cfg
-    want = wl.head_loss == "fused" or getattr(c, "head_loss", "eager") == "fused"
-    return "fused" if want and lay.tp == 1 and c.fp32_gemm == "bf16x3_fwd" else "eager"
+    return "fused" if wl.head_loss == "fused" and lay.tp == 1 and c.fp32_gemm == "bf16x3_fwd" else "eager"
 
 
 def in_flight(lay: Layout, stage: int, n_micro: int) -> float:
@@ -1279,7 +1279,7 @@ def predict(shape: ModelShape, lay: Layout, wl: Workload, hw: Hardware, ctx: dic
         notes.append(f"head_loss=fused: its memory (a bf16 softmax kept, {FUSED_LOSS_ROWS} rows of fp32 logits at a "
                      f"time) and its loss passes ({LOSS_BYTES['fused']} bytes an element of the logits against "
                      f"eager's {LOSS_BYTES['eager']}) are derived from the code, not measured")
-    elif wl.head_loss == "fused" or getattr(shape.cfg, "head_loss", "eager") == "fused":
+    elif wl.head_loss == "fused":
         notes.append("head_loss=fused runs at TP = 1 with fp32_gemm=bf16x3_fwd only: the eager loss is modelled here")
     if wl.quant_chunk == "gpu" and (fp8_qat(shape, wl) or (wl.rl and wl.rl.sync_format == "fp8")):
         notes.append("FP8 QAT and sync in the quantisers' 2^24-element chunks (3fd1ccf): not yet timed; each eager "
@@ -1921,13 +1921,13 @@ def workload_from_config(cfg) -> Workload:
     # head_loss (ModelConfig; from the preset's model and PRESET_MODEL_OVERRIDES)
     model = _model_config(v["PRESET_MODEL"], tuple(v["PRESET_MODEL_OVERRIDES"]))
     moe_impl = getattr(model, "moe_impl", overrides.get("moe_impl", "grouped"))
-    head_loss = getattr(model, "head_loss", overrides.get("head_loss", "eager"))
+    head_loss = getattr(model, "head_loss", overrides.get("head_loss", Workload.head_loss))
     return Workload(seq_len=v["PRESET_SEQ_LEN"], global_batch=v["PRESET_GLOBAL_BATCH_SIZE"],
                     recompute=v["HW_RECOMPUTE_GRANULARITY"] if v["HW_RECOMPUTE_GRANULARITY"] in ("none", "full")
                     else "none",
                     mtp=bool(v["PRESET_MTP_LOSS_COEFF"]), indexer_loss=float(overrides.get("indexer_loss_coeff", 0)) > 0,
                     attn_impl=impl, rl=rl, expert_wgrad="triton" if moe_impl == "grouped_triton" else "main_grad",
-                    head_loss=head_loss if head_loss in HEAD_LOSSES else "eager")
+                    head_loss=head_loss if head_loss in HEAD_LOSSES else Workload.head_loss)
 
 
 @functools.lru_cache(maxsize=32)
@@ -1992,7 +1992,7 @@ class BenchShape:
     expert_wgrad: str = "main_grad"
     weight_qdq: str = "step"
     expert_stack: str = "step"
-    head_loss: str = "eager"
+    head_loss: str = "fused"
     quant_chunk: str = "gpu"
 
     def layout(self) -> Layout:
@@ -2024,7 +2024,7 @@ class BenchShape:
                    wl.get("attn_impl", "tilelang"), wl.get("adam_kernel", "fused"),
                    wl.get("grad_check_bytes", GRAD_CHECK_BYTES), wl.get("fp32_split", "step"),
                    wl.get("expert_wgrad", "main_grad"), wl.get("weight_qdq", "step"), wl.get("expert_stack", "step"),
-                   wl.get("head_loss", "eager"), wl.get("quant_chunk", "gpu"))
+                   wl.get("head_loss", "fused"), wl.get("quant_chunk", "gpu"))
 
 
 def predict_bench(b: BenchShape, hw: Hardware) -> Prediction:
@@ -2213,13 +2213,14 @@ def validation_cases(path: str = str(VALIDATION_FILE)) -> list:
 def unnamed_as_before(case) -> dict:
     """Workload fields that a case (a plan_validation.jsonl row, a bench record's plan) which does not name them ran
     as the code before: expert_stack "micro_batch" (the stack once a step came with 80eff6b), quant_chunk
-    "cpu_sized" (the quantisers' 2^24-element chunks on a GPU came with 3fd1ccf) and ep_experts "loop" (EP > 1's
-    local experts through the grouped GEMMs came with f338075), all after every row and record so far; a row or
+    "cpu_sized" (the quantisers' 2^24-element chunks on a GPU came with 3fd1ccf), ep_experts "loop" (EP > 1's
+    local experts through the grouped GEMMs came with f338075) and head_loss "eager" (the fused head loss became
+    the default after cccd6ba, whose bench records name it), all after every row and record so far; a row or
     record of later code names them, as BenchShape.to_json does (a bench's process is EP = 1: BenchShape has no
     ep_experts, from_case ignores it). A gap has not run yet: it is to be measured with today's code, the Workload's
     defaults (its command runs the code checked out)."""
     return {} if case.source == "gap" else {"expert_stack": "micro_batch", "quant_chunk": "cpu_sized",
-                                            "ep_experts": "loop"}
+                                            "ep_experts": "loop", "head_loss": "eager"}
 
 
 def _case_hardware(case, world: int) -> Hardware:

@@ -693,7 +693,7 @@ def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers
     if rank:
         for line in rank.describe(seq_len, micro_batch):
             say(f"[bench] {line}")
-    plan = None
+    plan, plans = None, []      # plans: each variant's (a switch such as head_loss changes the prediction)
     if cuda:      # a CPU's memory is the host's: nothing to predict against
         plan = step_plan(model, overrides, rank, seq_len, global_batch, micro_batch, recompute,
                          torch.cuda.get_device_name(),
@@ -707,6 +707,7 @@ def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers
         for v in variants or [{}]:
             vo = {**overrides, **v}
             vplan = plan if not v else step_plan(model, vo, rank, seq_len, global_batch, micro_batch, recompute, *gpu)
+            plans.append(vplan)
             if not vplan.prediction.fits:
                 if v:
                     vplan.what += " (variant " + " ".join(f"{k}={x}" for k, x in v.items()) + ")"
@@ -740,7 +741,7 @@ def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers
               "plan": plan.to_json() if plan else None}
     if record:
         recs = step_records(record, rows, model, overrides, cfg, seq_len, global_batch, micro_batch, peak_tflops, rank,
-                            res["routing"], plan)
+                            res["routing"], plans)
         append_records(records_dir, "train_step.jsonl", dev_name, recs, say)
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -757,12 +758,12 @@ def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers
         click.echo(f"tokens per expert, measured on one micro-batch: mean {r['tokens_per_expert_mean']:,.0f}, "
                    f"min {r['tokens_per_expert_min']:,.0f}, max {r['tokens_per_expert_max']:,.0f}")
     w = max([24] + [len(r.variant) + 4 for r in rows])
-    # the prediction is of the shape, the same for every variant (they change how the math runs, not its tensors)
-    pred_peak = f"{plan.prediction.peak_gib:>9.1f}" if plan else f"{'-':>9}"
-    pred_step = f"{plan.prediction.step_s:>7.3f}" if plan and plan.prediction.step_s else f"{'-':>7}"
     click.echo(f"{'variant':<{w}} {'s/step':>8} {'pred s':>7} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'loss':>9} "
                f"{'peak GB':>8} {'pred GiB':>9}")
     for i, r in enumerate(rows):
+        p = plans[min(i, len(plans) - 1)].prediction if plans else None     # the hooks' row: the last variant's
+        pred_peak = f"{p.peak_gib:>9.1f}" if p else f"{'-':>9}"
+        pred_step = f"{p.step_s:>7.3f}" if p and p.step_s else f"{'-':>7}"
         mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
         label = f"({i + 1}) {r.variant}" if len(rows) > 1 else r.variant
         click.echo(f"{label:<{w}} {r.step_s:>8.3f} {pred_step} {r.tokens_per_s:>10,.0f} {r.model_tflops:>8.1f} "
@@ -787,10 +788,11 @@ def bench_step(device, model, model_overrides, attn_impl, rank_of, stage, layers
 
 
 def step_records(record: str, rows, model: str, overrides: dict, cfg, seq_len: int, global_batch: int,
-                 micro_batch: int, peak_tflops: float, rank, routing, plan: StepPlan | None = None) -> list[dict]:
+                 micro_batch: int, peak_tflops: float, rank, routing, plans: list[StepPlan] = ()) -> list[dict]:
     """One record a timed row: benchmark RECORD (RECORD_2, ... for several variants; RECORD_nonfinite_hooks for the
     hooks' row), the profile's parts where the row was profiled, and on a GPU the cost model's inputs and prediction
-    ("plan": what `v4 plan calibration` re-predicts and compares with the measured peak and step)."""
+    ("plan", the row's variant's: what `v4 plan calibration` re-predicts and compares with the measured peak and
+    step). `plans`: one a variant, in the rows' order (the hooks' row repeats the last variant)."""
     shape = (f"{model} {' '.join(f'{k}={v}' for k, v in overrides.items())}, {cfg.n_layers} layers"
              + (f" + {cfg.n_mtp_layers} MTP" if rank and rank.mtp else "")
              + f", {cfg.n_routed_experts} experts, {global_batch} x {seq_len} tokens, micro-batch {micro_batch}")
@@ -818,8 +820,8 @@ def step_records(record: str, rows, model: str, overrides: dict, cfg, seq_len: i
         if rank:
             rec["rank"] = rank.summary(seq_len, micro_batch)
             rec["routing"] = routing
-        if plan:
-            rec["plan"] = plan.to_json()
+        if plans:
+            rec["plan"] = plans[min(i, len(plans) - 1)].to_json()
         out.append(rec)
     return out
 

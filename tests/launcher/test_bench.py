@@ -149,8 +149,10 @@ def test_the_bench_predicts_the_model_it_builds():
         assert cm.model_shape(b.model, b.overrides, 4096).cfg == rank.model_config()
         assert (b.tp, b.mtp) == (rank.layout.tp, True)
         # the rows ran the trainer's isfinite check (7 bytes an element; today's allocates nothing), stacked the
-        # experts at every micro-batch (today once a step) and quantised in cache-sized chunks (today 2^24 on a GPU)
-        old = replace(b, grad_check_bytes=cm.ISFINITE_CHECK_BYTES, expert_stack="micro_batch", quant_chunk="cpu_sized")
+        # experts at every micro-batch (today once a step), quantised in cache-sized chunks (today 2^24 on a GPU) and
+        # ran the eager head loss (today the fused one)
+        old = replace(b, grad_check_bytes=cm.ISFINITE_CHECK_BYTES, expert_stack="micro_batch", quant_chunk="cpu_sized",
+                      head_loss="eager")
         assert old == cm.BenchShape.from_case(cases[cmd])
 
 
@@ -164,13 +166,16 @@ def _pretend_h200(monkeypatch):
 
 
 @pytest.mark.parametrize("args,fits,peak", [
-    (["--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "4"], "--layers 3", "130.2"),
-    (["--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "3", "--micro-batch", "2"], "--layers 2", "129.9"),
+    (["--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "4", "--model-overrides", "head_loss=eager"], "--layers 3",
+     "130.2"),
+    (["--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "3", "--micro-batch", "2", "--model-overrides",
+      "head_loss=eager"], "--layers 2", "129.9"),
+    (["--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "5"], "--layers 4", "147.1"),
 ])
 def test_bench_step_refuses_what_the_model_says_does_not_fit(monkeypatch, capsys, args, fits, peak):
-    """The EP8 rank shape that ran out of memory on one H200 after 246 s of building and compiling, and the same
-    slice at micro-batch 2, are refused before anything is built (exit 2), with the predicted peak by part and the
-    largest --layers that fits. (The TP8 one that ran out, of its gradient check, fits since the check allocates
+    """The EP8 rank shape that ran out of memory on one H200 after 246 s of building and compiling (with the eager
+    head loss, as it ran), the same slice at micro-batch 2, and with today's fused head loss a layer more, are
+    refused before anything is built (exit 2), with the predicted peak by part and the largest --layers that fits. (The TP8 one that ran out, of its gradient check, fits since the check allocates
     nothing: test_costmodel holds the old check to its OOM.)"""
     import time
 
@@ -190,8 +195,8 @@ def test_bench_step_refuses_what_the_model_says_does_not_fit(monkeypatch, capsys
 
 
 def test_bench_step_builds_anyway_when_told_and_fits_the_measured_shape(monkeypatch, capsys):
-    """--skip-fit-check goes on to build; the 32-expert shape measured at 108.2 GiB is not refused at all, and its
-    prediction (within +-10 %) is printed before the build."""
+    """--skip-fit-check goes on to build; the 32-expert shape measured at 104.2 GiB (cccd6ba, the fused head loss)
+    is not refused at all, and its prediction (within +-10 %) is printed before the build."""
     from dsv4.megatron import stepprof
     from launcher.cli import main
     _pretend_h200(monkeypatch)
@@ -200,13 +205,13 @@ def test_bench_step_builds_anyway_when_told_and_fits_the_measured_shape(monkeypa
         raise RuntimeError("built")
     monkeypatch.setattr(stepprof, "bench_step", built)
     with pytest.raises(RuntimeError, match="built"):
-        main(["bench", "step", "--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "4", "--skip-fit-check"])
+        main(["bench", "step", "--rank-of", "EP=8 PP=8 FIRST=4 LAST=3", "--layers", "5", "--skip-fit-check"])
     assert "--skip-fit-check: building anyway" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="built"):
         main(["bench", "step", "--model-overrides", "n_routed_experts=32"])
     err = capsys.readouterr().err
     peak = float(err.split("predicted peak ")[1].split(" GiB")[0])
-    assert abs(peak / 108.2 - 1) <= 0.10 and "refuse" not in err
+    assert abs(peak / 104.2 - 1) <= 0.10 and "refuse" not in err
 
 
 def test_bench_step_checks_every_compare_variant(monkeypatch, capsys):
@@ -238,7 +243,7 @@ def test_a_step_record_carries_its_plan_for_the_calibration(tmp_path):
     plan = step_plan("4layer", overrides, None, 4096, 8, 1, "none", "NVIDIA H200", H200_GIB)
     cfg = ModelConfig.preset("4layer").with_overrides(**overrides)
     rows = [StepRow("defaults", 1.337, 24503, 257.6, 0.261, 12.28, 108.2)]
-    (rec,) = step_records("e32", rows, "4layer", overrides, cfg, 4096, 8, 1, 989.0, None, None, plan)
+    (rec,) = step_records("e32", rows, "4layer", overrides, cfg, 4096, 8, 1, 989.0, None, None, [plan])
     assert rec["plan"]["predicted"]["peak_gib"] == round(plan.prediction.peak_gib, 2)
     assert rec["plan"]["gpu_memory_gib"] == H200_GIB and rec["plan"]["bench"]
     path = tmp_path / "train_step.jsonl"
