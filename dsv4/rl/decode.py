@@ -36,8 +36,9 @@ On a GPU the engine's step is faster than these functions run op by op, without 
 * the step's pure-torch parts are three kinds of regions around the attention kernel (`before_attention`,
   `after_attention`, `head_input`), which `GraphedStep` runs through torch.compile: inductor fuses the norms,
   rotations, routing and the MoE's elementwise work, and the Sinkhorn iterations run as one kernel
-  (dsv4/kernels/triton_sinkhorn.py); the hyper-connections take training's GPU forms (`GPU_HC`: the fp32 mixes
-  GEMM split along K into one batched GEMM, C^T R as fused multiply-adds). Fused intermediates stay in fp32 where eager rounds them to bf16, so the
+  (dsv4/kernels/triton_sinkhorn.py); at a few rows a step the hyper-connections take training's GPU forms (`GPU_HC`:
+  the fp32 mixes GEMM split along K into one batched GEMM, C^T R as fused multiply-adds; `hc_forms` says where).
+  Fused intermediates stay in fp32 where eager rounds them to bf16, so the
   compiled step differs from the eager one at bf16 level (tests/rl/test_engine_gpu.py holds both to the
   full forward's bounds).
 
@@ -375,9 +376,16 @@ REFERENCE_HC = HCForms(hc_mixes, hc_post)
 GPU_HC = HCForms(hc_mixes_split, hc_post_unrolled)
 
 
+# rows a step (batch x tokens) up to which a CUDA step takes GPU_HC. On the H200 at 32 experts, 4 layers: batch 1
+# took 2.11 ms a step with GPU_HC (cccd6ba) and 2.17 with the reference forms (ad6970e); batch 64 took 4.40 with
+# GPU_HC, whose split mixes GEMM ran as cuBLAS's fp32 SIMT kernel (0.31 ms a step in 10 launches), and 3.93 with the
+# reference's (benchmarks/records/rollout.jsonl). Between the two the crossover is not measured.
+HC_SPLIT_ROWS = 16
+
+
 def hc_forms(X: torch.Tensor) -> HCForms:
-    """The GPU's forms on CUDA; the reference's elsewhere (the CPU tests hold the two equal)."""
-    return GPU_HC if X.is_cuda else REFERENCE_HC
+    """GPU_HC on CUDA at up to HC_SPLIT_ROWS rows; the reference's otherwise (the CPU tests hold the two equal)."""
+    return GPU_HC if X.is_cuda and X.shape[0] * X.shape[1] <= HC_SPLIT_ROWS else REFERENCE_HC
 
 
 def before_attention(layer: Block, X: torch.Tensor, lc: LayerCache, pos: torch.Tensor):

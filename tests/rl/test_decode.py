@@ -66,6 +66,14 @@ def test_the_gpu_hyper_connection_forms_equal_the_full_forward(monkeypatch):
     assert torch.equal(inc_routes.sort(-1).values, full_routes.sort(-1).values)
 
 
+def test_the_gpu_forms_run_at_few_rows_only():
+    """GPU_HC where the H200 measured it faster (batch 1), the reference forms where they were (batch 64)."""
+    from types import SimpleNamespace
+    X = lambda rows, cuda=True: SimpleNamespace(is_cuda=cuda, shape=(rows, 1, 4, 4096))     # noqa: E731
+    assert decode.hc_forms(X(1)) is decode.GPU_HC and decode.hc_forms(X(decode.HC_SPLIT_ROWS)) is decode.GPU_HC
+    assert decode.hc_forms(X(64)) is decode.REFERENCE_HC and decode.hc_forms(X(1, cuda=False)) is decode.REFERENCE_HC
+
+
 def test_cached_decoding_with_the_qat_points_on():
     cfg = ModelConfig.preset("tiny", seed=1, qat_kv_fp8=True, qat_indexer_fp4=True)
     model = Transformer(cfg)
