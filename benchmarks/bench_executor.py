@@ -246,22 +246,25 @@ def main() -> None:
         sys.exit(job_main(a.job, a.variant, a.ranks, a.mb, a.device))
 
     from launcher import cluster
-    from launcher.pipeline import quiet_ray_sdk
+    from launcher.pipeline import quiet_ray_sdk, signals_as_interrupt
     quiet_ray_sdk()
     variants = [v for v in VARIANTS if a.with_cap or "cap" not in v]
     tmp = Path(tempfile.mkdtemp(prefix="v4-bench-executor-"))
-    cfg, local = start_ray(tmp, a.hw, cpus=a.ranks + 1)
-    try:
-        runs: dict[str, list[dict]] = {v: [] for v in variants}
-        for i in range(a.repeat):
-            for n, v in enumerate(variants):
-                run_dir = tmp / "runs" / f"{n}-{i}"
-                run_dir.mkdir(parents=True)
-                runs[v].append(run_once(cfg, v, run_dir, a.ranks, a.mb, f"{n}-{i}"))
-    finally:
-        cluster.down(cfg)
-        shutil.rmtree(local, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+    # SIGTERM (`timeout`, a scheduler) as Ctrl-C, so the finally below stops the bench's own Ray cluster: killed
+    # without it, its cluster stayed up after the bench was gone, beside whatever ran next
+    with signals_as_interrupt():
+        cfg, local = start_ray(tmp, a.hw, cpus=a.ranks + 1)
+        try:
+            runs: dict[str, list[dict]] = {v: [] for v in variants}
+            for i in range(a.repeat):
+                for n, v in enumerate(variants):
+                    run_dir = tmp / "runs" / f"{n}-{i}"
+                    run_dir.mkdir(parents=True)
+                    runs[v].append(run_once(cfg, v, run_dir, a.ranks, a.mb, f"{n}-{i}"))
+        finally:
+            cluster.down(cfg)
+            shutil.rmtree(local, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
     parts = {v: [summarize(r) for r in rs] for v, rs in runs.items()}
     best = {v: {k: min(p[k] for p in ps) for k in ps[0]} for v, ps in parts.items()}
     facts = facts_table({v: rs[-1] for v, rs in runs.items()}, tmp)

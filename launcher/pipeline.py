@@ -105,7 +105,7 @@ def execute(cfg: Config, plan: Plan, *, skip_checks=(), force=False, resume=Fals
                                skip_checks=skip_checks, force=force)
     t0 = time.time()
     try:
-        with _signals_as_interrupt(), _rollout_scope(cfg) as rollout_live:
+        with signals_as_interrupt(), _rollout_scope(cfg) as rollout_live:
             i = 0
             while i < len(plan.steps):     # by position: a smaller cluster rebuilds the plan (same steps, new values)
                 step = plan.steps[i]
@@ -221,7 +221,7 @@ def _check_not_stopped(run, resume_cmd: str) -> None:
 
 
 @contextmanager
-def _signals_as_interrupt():
+def signals_as_interrupt():
     """SIGTERM (a scheduler, `kill`) and SIGHUP (a closed terminal) end the launcher the way Ctrl-C does: as an
     exception, so a local job's process group is stopped and the run is not left "running". Signals already
     ignored (nohup) stay ignored; only the main thread can set handlers."""
