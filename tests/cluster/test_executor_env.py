@@ -117,4 +117,4 @@ def test_the_bench_stops_its_ray_cluster_when_terminated():
     finally:
         if p.poll() is None:
             p.kill()
-        subprocess.run(["pkill", "-f", local])
+        subprocess.run(["pkill", "-9", "-f", local])      # what a failed run of this test leaves
