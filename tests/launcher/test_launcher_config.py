@@ -130,7 +130,7 @@ def test_bad_input_exits_2_with_file_line(capsys, tmp_path, text, needles):
 
 @pytest.mark.parametrize("flag, name, listed", [
     ("--preset", "smok", ["unknown preset 'smok'", "did you mean 'smoke'", "cp_smoke", "dryrun"]),
-    ("--hw", "h100", ["unknown hw 'h100'", "cpu, h20, h200"]),
+    ("--hw", "a100", ["unknown hw 'a100'", "cpu, h100, h20, h200"]),
     ("--cluster", "h20", ["unknown cluster 'h20'", "h20_8node", "local"]),
 ])
 def test_unknown_selector_lists_what_exists(capsys, flag, name, listed):
@@ -390,3 +390,12 @@ def test_a_hw_file_overriding_the_clusters_hw_setting_is_warned(tmp_path):
     assert any("overrides HW_NCCL_NVLS_ENABLE='0' from " in w and "--env-file or --set" in w for w in cfg.warnings)
     quiet = resolve(Selection(cluster=str(f), preset="smoke", hw="h20", sets=("HW_NCCL_NVLS_ENABLE=0",)))
     assert not quiet["HW_NCCL_NVLS_ENABLE"] and not any("overrides" in w for w in quiet.warnings)
+
+
+@pytest.mark.parametrize("driver_name, hw", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H20", "h20"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", None),
+])
+def test_the_hw_layer_of_a_gpu_is_the_longest_name_it_contains(driver_name, hw):
+    """--hw auto: "H200" contains "H20", so the longest HW_GPU_NAME the driver's name contains wins."""
+    from launcher.config.resolve import hw_for_gpu
+    assert hw_for_gpu(driver_name) == hw
