@@ -81,16 +81,19 @@ def test_a_dequantize_part_task_computes_on_every_core(ray_cfg, tmp_path):
     assert f"already complete ({physical_cores()} CPU threads)" in (tmp_path / "log").read_text(), out.log_tail
 
 
-def _processes_under(path: str) -> list[str]:
-    """Command lines of the live processes that name `path` (Ray's GCS, raylet and workers name their session dir)."""
-    found = []
+def _processes_under(path: str) -> dict[int, str]:
+    """pid -> command line of the live processes that name `path` (Ray's GCS, raylet and workers name their session
+    dir)."""
+    found = {}
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
         if path in cmd:
-            found.append(f"{proc.name}: {cmd[:160]}")
+            found[int(proc.name)] = cmd[:160]
     return found
 
 
@@ -98,11 +101,13 @@ def _processes_under(path: str) -> list[str]:
 def test_the_bench_stops_its_ray_cluster_when_terminated():
     """`timeout` or a scheduler ends the bench with SIGTERM, which Python's default handler obeys without running
     `finally`: the bench's own Ray cluster stayed up after it. It now stops the cluster on SIGTERM as on Ctrl-C."""
+    import contextlib
+    import os
     import signal
     import time
     p = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "bench_executor.py"), "--ranks", "0", "--mb", "1",
                           "--repeat", "50"], cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    local = f"/tmp/v4bx-{p.pid}"
+    local, line = f"/tmp/v4bx-{p.pid}", ""
     try:
         deadline = time.monotonic() + 120
         for line in p.stderr:
@@ -113,8 +118,10 @@ def test_the_bench_stops_its_ray_cluster_when_terminated():
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=90) != 0
         time.sleep(2)
-        assert _processes_under(local) == []
+        assert _processes_under(local) == {}
     finally:
         if p.poll() is None:
             p.kill()
-        subprocess.run(["pkill", "-9", "-f", local])      # what a failed run of this test leaves
+        for pid in _processes_under(local):             # what a failed run of this test leaves: its own pids only
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

@@ -365,7 +365,7 @@ def run_stage_script(device: str, dtype: str, gpu_rounding: bool = False) -> Non
             # in others, so they are held together, each alone only to the reference's order of magnitude.
             few = [n for n in ref if ref[n].numel() < 64]
             for n in ref:
-                assert torch.isfinite(f[n]).all(), n
+                assert all(torch.isfinite(d[n]).all() for d in (f, e, ref)), n
                 if n in few:
                     assert rel(f[n], ref[n]) <= 1.0, (n, "fused", rel(f[n], ref[n]))
                 else:
