@@ -20,7 +20,7 @@ __all__ = ["ModelConfig", "PRESETS", "RUNTIME_SWITCHES", "parse_overrides"]
 # fields that choose only how the same math runs (kernels, precision of a GEMM's partial products, compilation):
 # `v4 bench step --compare` switches them on one trainer
 RUNTIME_SWITCHES = ("attn_impl", "fp32_gemm", "moe_impl", "compiled", "head_loss")
-COMPILED_REGIONS = ("hc", "attn", "moe", "norm")
+COMPILED_REGIONS = ("hc", "attn", "moe", "norm", "sinkhorn")
 
 
 @dataclass
@@ -87,7 +87,9 @@ class ModelConfig:
     fp32_gemm: str = "bf16x3_fwd"
     # training's regions through torch.compile on CUDA, "+"-separated (or "none"): "hc" = the hyper-connections (the
     # Sinkhorn iterations forward and backward in a few kernels), "attn" = the attention's per-head q norm and
-    # rotations, "moe" = the routed experts' gated activation (moe_impl grouped), "norm" = the RMSNorms
+    # rotations, "moe" = the routed experts' gated activation (moe_impl grouped), "norm" = the RMSNorms; "sinkhorn"
+    # (with hc) = the compiled hyper-connections call the fused Triton Sinkhorn forward and backward
+    # (dsv4/kernels/triton_sinkhorn.py: two launches where inductor's form takes ~120)
     compiled: str = "hc+attn+moe+norm"
     # the routed experts in training on CUDA (a rank's local experts at any EP): "grouped" = one grouped GEMM per weight
     # over all experts, the weight gradients added straight into megatron's fp32 main_grad by one accumulating GEMM

@@ -25,6 +25,7 @@ from dsv4 import model as ref
 from dsv4 import quant
 from dsv4.config import ModelConfig
 from dsv4.kernels import reference as kref
+from dsv4.kernels import triton_sinkhorn
 from dsv4.stepmemo import Memo, weight_key
 from dsv4.megatron import cp_attention as cpa
 from dsv4.megatron.parallel import (CPSplit, Ranks, cp_all_reduce_nograd, mark_expert, mark_replicated, mark_tp,
@@ -152,13 +153,14 @@ class _Combine(torch.autograd.Function):
 _REGIONS = {"hc": (EAGER_HC, "hc"), "q_heads": (q_heads, "attn"), "unrope": (unrope, "attn"),
             "gated": (ref.gated, "moe"), "combine": (combine_rows, "moe"), "spread": (spread_rows, "moe"),
             "norm": (ref.rms_norm, "norm")}
-_FUSABLE = {"hc": FUSABLE_HC}
+_FUSABLE = {"hc": FUSABLE_HC,
+            "hc+sinkhorn": FUSABLE_HC._replace(pre=partial(FUSABLE_HC.pre, sinkhorn=triton_sinkhorn.sinkhorn))}
 
 
 @lru_cache(maxsize=None)
 def _compiled(name: str):
     form = _FUSABLE.get(name, _REGIONS[name][0])
-    if name == "hc":
+    if name.startswith("hc"):
         return HCFunctions(*(torch.compile(f, dynamic=False) for f in form))
     return torch.compile(form, dynamic=False)
 
@@ -166,7 +168,11 @@ def _compiled(name: str):
 def region(cfg: ModelConfig, name: str, x: torch.Tensor):
     """Region `name`, compiled where cfg.compiled names its group and x is on CUDA, else its eager form."""
     eager, group = _REGIONS[name]
-    return _compiled(name) if group in cfg.compiled_regions and x.is_cuda else eager
+    if group not in cfg.compiled_regions or not x.is_cuda:
+        return eager
+    if name == "hc" and "sinkhorn" in cfg.compiled_regions and triton_sinkhorn.available(x, cfg.hc_mult):
+        return _compiled("hc+sinkhorn")
+    return _compiled(name)
 
 
 # ================================================================================================ embedding

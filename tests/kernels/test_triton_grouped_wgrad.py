@@ -5,27 +5,15 @@ The interpreter runs in a subprocess: it must be chosen (TRITON_INTERPRET=1) bef
 does not take bf16, so CPU tensors have their tiles upcast to fp32 first (exact: bf16 values are fp32 values);
 bounds, masks, the tile order and the epilogue are the GPU's code."""
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.triton_interpreter import interpret
 
-# Triton 3.6's interpreter turns a runtime scalar into a Python int with int() of a one-element array, which
-# numpy >= 2.3 refuses; the loop over an expert's rows has runtime bounds. Patched for the interpreter only.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
 _RUN = r"""
 import json, sys, torch
-from triton.runtime import interpreter as _it
-_orig = _it._patch_lang_tensor
-def _patched(tensor, scope):
-    _orig(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-_it._patch_lang_tensor = _patched
 from dsv4.kernels import triton_grouped_wgrad as tw
 
 case = json.loads(sys.argv[1])
@@ -59,11 +47,7 @@ print(json.dumps(res))
 
 
 def _interpret(case: dict) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    out = subprocess.run([sys.executable, "-c", _RUN, json.dumps(case)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return interpret(_RUN, case)
 
 
 SMALL = {"BN": 32, "BK": 32, "BT": 16, "GROUP": 2}
