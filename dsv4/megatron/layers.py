@@ -159,7 +159,7 @@ _FUSABLE = {"hc": FUSABLE_HC,
 
 @lru_cache(maxsize=None)
 def _compiled(name: str):
-    form = _FUSABLE.get(name, _REGIONS[name][0])
+    form = _FUSABLE[name] if name in _FUSABLE else _REGIONS[name][0]
     if name.startswith("hc"):
         return HCFunctions(*(torch.compile(f, dynamic=False) for f in form))
     return torch.compile(form, dynamic=False)
