@@ -370,7 +370,7 @@ def record_option(f):
     return click.option(
         "--record", "record", default=None, metavar="ID",
         help="append each row as a dated record to the records file of this bench (benchmark id ID, suffixed per "
-             "row), with the command, the commit (V4_BENCH_COMMIT where the tree has no git) and the device")(f)
+             "row), with the command, the commit (V4_BENCH_COMMIT where set, else git's) and the device")(f)
 
 
 def append_records(records_dir: Path, file: str, device: str, records: list[dict], say) -> Path:
@@ -382,10 +382,13 @@ def append_records(records_dir: Path, file: str, device: str, records: list[dict
     import sys
 
     from launcher.registry import code_version
-    ver = code_version(RECORDS.parents[1])
-    commit = (ver.get("sha") or "")[:7] or os.environ.get("V4_BENCH_COMMIT") or None
-    base = {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "commit": commit,
-            "dirty": ver.get("dirty"), "device": device, "clock_mhz": None}
+    # V4_BENCH_COMMIT, where set, names the code: a copy of the tree on a GPU host may carry a git of some older
+    # commit with the newer files over it (then git's sha is the older one, and "dirty" says only that they differ)
+    ver = {"sha": os.environ["V4_BENCH_COMMIT"], "dirty": None} if os.environ.get("V4_BENCH_COMMIT") \
+        else code_version(RECORDS.parents[1])
+    base = {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+            "commit": (ver.get("sha") or "")[:7] or None, "dirty": ver.get("dirty"), "device": device,
+            "clock_mhz": None}
     command = "v4 " + shlex.join(sys.argv[1:])
     path = Path(records_dir) / file
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -251,3 +251,20 @@ def test_a_step_record_carries_its_plan_for_the_calibration(tmp_path):
                     + "\n")
     got = {r["quantity"]: r for r in cm.validation_table(records=str(path)) if r["name"] == "e32 (bench record)"}
     assert got["peak GiB"]["ok"] and got["s/step"]["ok"], got
+
+
+def test_a_record_names_the_commit_v4_bench_commit_gives_over_gits(tmp_path, monkeypatch):
+    """A GPU host's copy of the tree may carry a git of an older commit: the commit said is the one given."""
+    import json
+    import subprocess
+
+    from launcher.commands.bench import append_records
+    monkeypatch.setenv("V4_BENCH_COMMIT", "abc1234")
+    path = append_records(tmp_path, "t.jsonl", "cpu", [{"benchmark": "x"}], lambda _: None)
+    monkeypatch.delenv("V4_BENCH_COMMIT")
+    append_records(tmp_path, "t.jsonl", "cpu", [{"benchmark": "y"}], lambda _: None)
+    given, from_git = (json.loads(line) for line in path.read_text().splitlines())
+    assert (given["commit"], given["dirty"]) == ("abc1234", None)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if head:                                     # a checkout with git (CI's clean clone is one)
+        assert from_git["commit"] == head[:7] and isinstance(from_git["dirty"], bool)
