@@ -169,6 +169,9 @@ class ModelConfig:
         if not set(self.compiled_regions) <= set(COMPILED_REGIONS):
             errs.append(f"compiled={self.compiled!r}: regions joined by '+', from {', '.join(COMPILED_REGIONS)} "
                         "(or none)")
+        elif "sinkhorn" in self.compiled_regions and "hc" not in self.compiled_regions:
+            errs.append(f"compiled={self.compiled!r}: sinkhorn puts the fused Sinkhorn into the compiled "
+                        "hyper-connections; add hc (compiled=hc+sinkhorn)")
         if self.weight_dtype not in ("fp8", "bf16") or self.expert_dtype not in ("fp4", "fp8", "bf16"):
             errs.append(f"weight_dtype={self.weight_dtype!r} (fp8|bf16), expert_dtype={self.expert_dtype!r} (fp4|fp8|bf16)")
         if self.hc_mult < 1 or self.n_layers < 1:

@@ -160,7 +160,7 @@ _FUSABLE = {"hc": FUSABLE_HC,
 @lru_cache(maxsize=None)
 def _compiled(name: str):
     form = _FUSABLE[name] if name in _FUSABLE else _REGIONS[name][0]
-    if name.startswith("hc"):
+    if isinstance(form, HCFunctions):
         return HCFunctions(*(torch.compile(f, dynamic=False) for f in form))
     return torch.compile(form, dynamic=False)
 

@@ -70,3 +70,5 @@ def test_the_switch_is_a_compiled_region():
     assert cfg.compiled_regions == ("hc", "attn", "moe", "norm", "sinkhorn")
     with pytest.raises(ValueError, match="compiled="):
         ModelConfig.preset("tiny").with_overrides(compiled="hc+sinkhorns")
+    with pytest.raises(ValueError, match="add hc"):                 # alone it would change nothing
+        ModelConfig.preset("tiny").with_overrides(compiled="attn+sinkhorn")
