@@ -157,9 +157,9 @@ def footprint(local_dir):
 # than 8 s, so every stop fell through to SIGKILL after the whole grace. One after another in this order, each exited on
 # its SIGTERM within 0.7 s (Ray 2.60, local head: 0.83 s for all of it); whatever is left goes last.
 STOP_ORDER = ("raylet", "monitor", "gcs_server")
-# How long the SIGTERMs get before SIGKILL: the grace Ray's own stop command gives by default (--grace-period 16). It costs nothing when the
-# daemons exit at once (the wait ends when they are gone); 5 s was too short on a loaded host, where a head's
-# daemons, one after another, took longer and were killed.
+# How long the SIGTERMs get before SIGKILL: the grace Ray's own stop command gives by default (--grace-period 16).
+# It costs nothing when the daemons exit at once (the wait ends when they are gone); 5 s was too short on a loaded
+# host, where a head's daemons, one after another, took longer and were killed.
 STOP_GRACE_S = 16.0
 
 

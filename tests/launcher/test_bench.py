@@ -265,6 +265,8 @@ def test_a_record_names_the_commit_v4_bench_commit_gives_over_gits(tmp_path, mon
     append_records(tmp_path, "t.jsonl", "cpu", [{"benchmark": "y"}], lambda _: None)
     given, from_git = (json.loads(line) for line in path.read_text().splitlines())
     assert (given["commit"], given["dirty"]) == ("abc1234", None)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from pathlib import Path
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True).stdout.strip()
     if head:                                     # a checkout with git (CI's clean clone is one)
         assert from_git["commit"] == head[:7] and isinstance(from_git["dirty"], bool)
