@@ -4,7 +4,15 @@ processes with the local executor (`V4_EXECUTOR=local`: one machine, no Ray).
 For world > 1 under Ray the driver reserves a placement group of one bundle per rank (a GPU and a CPU on cuda,
 a CPU on cpu), starts one actor per bundle, orders the actors by (node IP, GPU id) so that
 neighbouring ranks share a node, and points every rank at rank 0's node for the rendezvous
-(MASTER_ADDR = rank 0's node IP, MASTER_PORT = a port rank 0 found free, unless one is given).
+(MASTER_ADDR = rank 0's node IP, MASTER_PORT = the port of the store rank 0's actor hosts).
+
+The rendezvous store (torch's TCPStore) is served by a process that the launcher starts it in before any rank runs:
+the local executor's parent, rank 0's Ray actor; every rank, rank 0 included, joins it as a client (torch's own
+protocol for an agent's store, TORCHELASTIC_USE_AGENT_STORE). Its port is bound as it is chosen: the OS's pick of
+port 0, or the port given (V4_DIST_PORT). A port found free and let go for rank 0 to bind later, as before, could be
+taken in between, by a concurrent job or by any outgoing connection, which draws its local port from the same
+ephemeral range (a CI run lost a NaN-bisect rung to EADDRINUSE so). World size 1 needs no rendezvous at all: its
+process group is built on an in-process store (dsv4/megatron/train.py init_distributed).
 
 `fn(rank, world, master_addr, master_port, payload) -> int` must be a module-level function (Ray
 pickles it by reference); its return value is the rank's exit code. The job's exit code is 16 when
@@ -41,16 +49,36 @@ def combine_exit_codes(codes: list[int]) -> int:
 
 
 def free_port() -> int:
+    """A port free now, for a caller that must name one before anything listens on it (an engine told where to
+    join); it may be taken before then: where this process will listen itself, bind first (`host_store`)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def host_store(world: int, port: int = 0):
+    """A job's rendezvous store served from this process (port 0: the OS picks one): `.port` is where ranks join.
+    A port that is taken (a V4_DIST_PORT in use) raises RuntimeError saying so."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    try:
+        return dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(minutes=30))
+    except (RuntimeError, OSError) as e:            # torch's DistNetworkError is a RuntimeError
+        raise RuntimeError(f"cannot serve the rendezvous store on port {port}: {e}".rstrip()) from None
+
+
+def join_hosted_store() -> None:
+    """Make this rank's init_process_group join the store the launcher hosts instead of serving one as rank 0."""
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
 
 
 def launch(fn: Callable, world: int, payload, device: str, master_port: int = 0, log=None,
            local: bool = False) -> int:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if world == 1:
-        return run_rank(fn, 0, 1, "127.0.0.1", master_port or free_port(), payload, device, 1)
+        return run_rank(fn, 0, 1, "127.0.0.1", master_port, payload, device, 1)     # no rendezvous: no port
     if local:
         return _launch_local(fn, world, payload, device, master_port, log)
     return _launch_ray(fn, world, payload, device, master_port, log)
@@ -87,7 +115,12 @@ def _launch_local(fn, world, payload, device, master_port, log) -> int:
         if torch.cuda.device_count() < world:
             log(f"error: {world} ranks need {world} GPUs on this machine; torch sees {torch.cuda.device_count()}")
             return 1
-    port = master_port or free_port()
+    try:
+        store = host_store(world, master_port)
+    except RuntimeError as e:
+        log(f"error: {e}; set V4_DIST_PORT to a free port, or to 0 to have one picked")
+        return 1
+    port = store.port
     ctx = mp.get_context("spawn")             # CUDA cannot be used in a forked child
     procs = [ctx.Process(target=_local_rank, args=(fn, rank, world, port, payload, device), name=f"rank{rank}")
              for rank in range(world)]
@@ -113,12 +146,14 @@ def _launch_local(fn, world, payload, device, master_port, log) -> int:
         time.sleep(0.2)
     for p in procs:
         p.join()
+    del store                                 # the ranks are gone: stop serving their rendezvous
     # a rank killed by a signal has a negative exit code: count it as a failure
     return combine_exit_codes([c if c >= 0 else 1 for c in (p.exitcode for p in procs)])
 
 
 def _local_rank(fn, rank, world, port, payload, device="cpu") -> None:
     os.environ["LOCAL_RANK"] = str(rank)      # init_distributed's GPU for this rank
+    join_hosted_store()
     sys.exit(run_rank(fn, rank, world, "127.0.0.1", port, payload, device, world))
 
 
@@ -161,7 +196,12 @@ def _launch_ray(fn, world, payload, device, master_port, log) -> int:
         order = sorted(range(world), key=lambda i: (_ip_key(where[i][0]), where[i][1]))
         actors = [actors[i] for i in order]
         master_addr = where[order[0]][0]
-        port = master_port or ray.get(actors[0].free_port.remote())
+        try:
+            port = ray.get(actors[0].host_store.remote(world, master_port))
+        except Exception as e:                     # a RayTaskError wrapping the actor's RuntimeError
+            log(f"error: rank 0's actor {getattr(e, 'cause', None) or e}; set V4_DIST_PORT to a free port, or to 0 "
+                "to have one picked")
+            return 1
         log(f"{world} ranks on {sorted({w[0] for w in where})}; rendezvous {master_addr}:{port}")
         ips = [where[i][0] for i in order]          # a rank's neighbours on its node share its cores
         refs = [a.run.remote(fn, rank, world, master_addr, port, payload, device, ips.count(ips[rank]))
@@ -218,9 +258,12 @@ class RankActor:
         gpus = ray.get_gpu_ids()
         return ray.util.get_node_ip_address(), int(gpus[0]) if gpus else 0
 
-    def free_port(self) -> int:
-        return free_port()
+    def host_store(self, world: int, port: int) -> int:
+        """Serve the job's rendezvous store from this actor (rank 0's) for as long as it lives: its port."""
+        self._store = host_store(world, port)
+        return self._store.port
 
     def run(self, fn, rank, world, master_addr, master_port, payload, device="cpu", ranks_here=1) -> int:
         os.environ["LOCAL_RANK"] = "0"
+        join_hosted_store()
         return run_rank(fn, rank, world, master_addr, master_port, payload, device, ranks_here)

@@ -110,6 +110,8 @@ def init_distributed(rank: int, world: int, backend: str, device: str, master_ad
         from datetime import timedelta
         bound["timeout"] = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
+        if world == 1:      # no peer to meet: an in-process store, and no port for another process to take first
+            bound["store"] = dist.HashStore()
         dist.init_process_group(backend, rank=rank, world_size=world, **bound)
 
 

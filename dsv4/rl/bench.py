@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from dsv4 import quant
-from dsv4.megatron.launch import free_port
 from dsv4.rl import decode, sync
 from dsv4.rl.engine import EmbeddedEngine
 
@@ -276,11 +275,12 @@ def bench_sync(engine: EmbeddedEngine, paths: list[str], say=print) -> list[Sync
     if "distributed" in paths:
         # NCCL needs the sender on another GPU than the engine; with one GPU the bytes go through gloo
         backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
-        port = free_port()
+        listener = sync.listen("127.0.0.1", 0, 2)
+        port = listener.getsockname()[1]
         src = [t.to("cuda:1" if backend == "nccl" else "cpu") for _, t in named]
 
         def sender():
-            g = sync.weight_group("127.0.0.1", port, 0, 2, backend)
+            g = sync.weight_group("127.0.0.1", port, 0, 2, backend, listener=listener)
             for t in src:
                 sync.broadcast(g, t)
 

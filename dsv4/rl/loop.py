@@ -303,8 +303,6 @@ def _ok(res: dict) -> None:
 def _broadcast(engine, parts, version: str, address: str) -> None:
     """Rank 0 of a fresh group is this trainer; the engine's ranks follow from 1 (its call runs in a thread
     because joining blocks until every member is there, as SGLang's does)."""
-    from dsv4.megatron.launch import free_port
-    port = free_port()
     from dsv4.rl.engine import EmbeddedEngine
     # NCCL between this process and an engine in another one (on its own GPUs); an engine in this process
     # shares the trainer's GPU, which one NCCL group cannot hold twice, so its bytes go through gloo
@@ -318,8 +316,10 @@ def _broadcast(engine, parts, version: str, address: str) -> None:
         return th
 
     world = 1 + getattr(engine, "n_ranks", 1)          # the trainer, then every GPU of every server
+    listener = sync.listen(address, 0, world)
+    port = listener.getsockname()[1]
     th = call(engine.init_weights_update_group, address, port, 1, world, group_name="v4-sync", backend=backend)
-    group = sync.weight_group(address, port, 0, world, backend, "v4-sync")
+    group = sync.weight_group(address, port, 0, world, backend, "v4-sync", listener=listener)
     th.join()
     _ok(answers.pop())
     try:

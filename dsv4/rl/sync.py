@@ -35,16 +35,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def weight_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str = "gloo",
-                 group_name: str = "weight_update_group", timeout_s: float = 300.0):
-    """Join (rank > 0) or host (rank 0) a process group of `world_size` ranks outside the default group."""
+                 group_name: str = "weight_update_group", timeout_s: float = 300.0,
+                 listener: socket.socket | None = None):
+    """Join (rank > 0) or host (rank 0) a process group of `world_size` ranks outside the default group.
+    listener: rank 0's socket from `listen`, bound before its port was told to the other members."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: gloo (CPU tensors) or nccl (CUDA tensors)")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
     timeout = timedelta(seconds=timeout_s)
     local = loopback_address(master_address)
-    if rank == 0 and local is not None:
-        store = _loopback_store(local, int(master_port), world_size, timeout)
+    if rank == 0 and (local is not None or listener is not None):
+        store = _served_store(listener or listen(master_address, int(master_port), world_size), world_size,
+                              timeout)
     else:
         store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
                               wait_for_workers=False)
@@ -72,8 +75,13 @@ def loopback_address(host: str) -> str | None:
     return ips[0]
 
 
-def _loopback_store(ip: str, port: int, world_size: int, timeout: timedelta):
-    # TCPStore's own server listens on every interface: hand it a socket bound to loopback instead
+def listen(master_address: str, port: int = 0, world_size: int = 1) -> socket.socket:
+    """Rank 0's listening socket for the group's store (port 0: the OS picks; `.getsockname()[1]` says which): on
+    loopback for a loopback address, on every interface otherwise, as torch's own server. Bound before the port is
+    told to anyone, so nothing takes it in between, as an outgoing connection may take a port found free and let go
+    (dsv4/megatron/launch.py)."""
+    local = loopback_address(master_address)
+    ip = local if local is not None else ("::" if ":" in master_address else "0.0.0.0")
     sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -82,6 +90,12 @@ def _loopback_store(ip: str, port: int, world_size: int, timeout: timedelta):
     except OSError:
         sock.close()
         raise
+    return sock
+
+
+def _served_store(sock: socket.socket, world_size: int, timeout: timedelta):
+    # TCPStore's own server listens on every interface: hand it the socket `listen` bound instead
+    ip, port = sock.getsockname()[:2]
     fd = sock.detach()                       # the store owns the descriptor from here
     try:
         return dist.TCPStore(ip, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
