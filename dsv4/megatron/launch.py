@@ -6,10 +6,10 @@ a CPU on cpu), starts one actor per bundle, orders the actors by (node IP, GPU i
 neighbouring ranks share a node, and points every rank at rank 0's node for the rendezvous
 (MASTER_ADDR = rank 0's node IP, MASTER_PORT = the port of the store rank 0's actor hosts).
 
-The rendezvous store (torch's TCPStore) is served by a process that the launcher starts it in before any rank runs:
-the local executor's parent, rank 0's Ray actor; every rank, rank 0 included, joins it as a client (torch's own
-protocol for an agent's store, TORCHELASTIC_USE_AGENT_STORE). Its port is bound as it is chosen: the OS's pick of
-port 0, or the port given (V4_DIST_PORT). A port found free and let go for rank 0 to bind later, as before, could be
+The rendezvous store (torch's TCPStore) is served, before any rank runs, by the local executor's parent (on
+loopback) or by rank 0's Ray actor (on every interface, as torch's own); every rank, rank 0 included, joins it as a
+client (torch's protocol for an agent's store, TORCHELASTIC_USE_AGENT_STORE). Its port is bound as it is chosen: the
+OS's pick of port 0, or the port given (V4_DIST_PORT). A port found free and let go for rank 0 to bind later could be
 taken in between, by a concurrent job or by any outgoing connection, which draws its local port from the same
 ephemeral range (a CI run lost a NaN-bisect rung to EADDRINUSE so). World size 1 needs no rendezvous at all: its
 process group is built on an in-process store (dsv4/megatron/train.py init_distributed).
@@ -56,17 +56,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def host_store(world: int, port: int = 0):
-    """A job's rendezvous store served from this process (port 0: the OS picks one): `.port` is where ranks join.
-    A port that is taken (a V4_DIST_PORT in use) raises RuntimeError saying so."""
+def host_store(world: int, port: int = 0, host: str = "127.0.0.1"):
+    """A job's rendezvous store served from this process (port 0: the OS picks one): on loopback for the loopback
+    `host`, else on every interface (IPv6 ones for an IPv6 `host`). `.port` is where ranks join. A port that is
+    taken (a V4_DIST_PORT in use) raises RuntimeError."""
+    ip = host if host in ("127.0.0.1", "::1") else "::" if ":" in host else "0.0.0.0"
+    try:
+        sock = listen_socket(ip, port, world)
+    except OSError as e:
+        raise RuntimeError(f"cannot serve the rendezvous store on port {port}: {e.strerror}") from None
+    return served_store(sock, world)
+
+
+def listen_socket(ip: str, port: int = 0, world: int = 1):
+    """A TCP socket listening on ip:port now (port 0: the OS's pick, `.getsockname()[1]`)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, port))
+        sock.listen(min(world, 1024) + 16)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def served_store(sock, world: int, timeout_s: float = 1800.0):
+    """torch's TCPStore server on the socket `listen_socket` bound (it would otherwise bind every interface itself),
+    which it owns from here."""
     from datetime import timedelta
 
     import torch.distributed as dist
+    ip, port = sock.getsockname()[:2]
+    fd = sock.detach()
     try:
-        return dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(minutes=30))
-    except (RuntimeError, OSError) as e:            # torch's DistNetworkError is a RuntimeError
-        raise RuntimeError(f"cannot serve the rendezvous store on port {port}: {e}".rstrip()) from None
+        return dist.TCPStore(ip, port, world, is_master=True, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def join_hosted_store() -> None:
@@ -197,7 +225,7 @@ def _launch_ray(fn, world, payload, device, master_port, log) -> int:
         actors = [actors[i] for i in order]
         master_addr = where[order[0]][0]
         try:
-            port = ray.get(actors[0].host_store.remote(world, master_port))
+            port = ray.get(actors[0].host_store.remote(world, master_port, master_addr))
         except Exception as e:                     # a RayTaskError wrapping the actor's RuntimeError
             log(f"error: rank 0's actor {getattr(e, 'cause', None) or e}; set V4_DIST_PORT to a free port, or to 0 "
                 "to have one picked")
@@ -258,9 +286,9 @@ class RankActor:
         gpus = ray.get_gpu_ids()
         return ray.util.get_node_ip_address(), int(gpus[0]) if gpus else 0
 
-    def host_store(self, world: int, port: int) -> int:
+    def host_store(self, world: int, port: int, host: str) -> int:
         """Serve the job's rendezvous store from this actor (rank 0's) for as long as it lives: its port."""
-        self._store = host_store(world, port)
+        self._store = host_store(world, port, host)
         return self._store.port
 
     def run(self, fn, rank, world, master_addr, master_port, payload, device="cpu", ranks_here=1) -> int:

@@ -15,13 +15,13 @@ NCCL_SOCKET_IFNAME, which this module does not set.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from dsv4.megatron.launch import listen_socket, served_store
 from dsv4.rl.api import WEIGHT_DTYPES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
@@ -45,12 +45,11 @@ def weight_group(master_address: str, master_port: int, rank: int, world_size: i
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
     timeout = timedelta(seconds=timeout_s)
     local = loopback_address(master_address)
-    if rank == 0 and (local is not None or listener is not None):
-        store = _served_store(listener or listen(master_address, int(master_port), world_size), world_size,
-                              timeout)
+    if rank == 0:
+        store = served_store(listener or listen(master_address, int(master_port), world_size), world_size,
+                             timeout_s)
     else:
-        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=False, timeout=timeout)
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
@@ -81,28 +80,8 @@ def listen(master_address: str, port: int = 0, world_size: int = 1) -> socket.so
     told to anyone, so nothing takes it in between, as an outgoing connection may take a port found free and let go
     (dsv4/megatron/launch.py)."""
     local = loopback_address(master_address)
-    ip = local if local is not None else ("::" if ":" in master_address else "0.0.0.0")
-    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((ip, port))
-        sock.listen(min(world_size, 1024) + 16)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _served_store(sock: socket.socket, world_size: int, timeout: timedelta):
-    # TCPStore's own server listens on every interface: hand it the socket `listen` bound instead
-    ip, port = sock.getsockname()[:2]
-    fd = sock.detach()                       # the store owns the descriptor from here
-    try:
-        return dist.TCPStore(ip, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=fd)
-    except BaseException:
-        os.close(fd)
-        raise
+    return listen_socket(local if local is not None else ("::" if ":" in master_address else "0.0.0.0"), port,
+                         world_size)
 
 
 def broadcast(group, tensor: torch.Tensor, src: int = 0) -> None:

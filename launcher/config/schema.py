@@ -91,7 +91,7 @@ KEYS: list[Key] = [
     _k("V4_RAY_CLIENT_PORT", "port", 10001, "cluster",
        "Ray client server (ray://) port on the head, 1024-65535 (auto: picked once for this checkout)"),
     _k("V4_DIST_PORT", "port", 29500, "cluster",
-       "torch.distributed rendezvous port (MASTER_PORT); 0: rank 0 picks a free one for each job"),
+       "torch.distributed rendezvous port (MASTER_PORT); 0: each job's store binds one the OS picks"),
     _k("V4_PROMETHEUS_PORT", "int", 0, "cluster", "Prometheus port (0: not used)"),
     _k("V4_GRAFANA_PORT", "int", 0, "cluster", "Grafana port (0: not used)"),
     _k("V4_RAY_NUM_CPUS", "str", "", "cluster", "CPUs each Ray node advertises (empty: detected)"),

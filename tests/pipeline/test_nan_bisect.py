@@ -84,16 +84,20 @@ def test_layout_1_is_left_out_when_one_gpu_cannot_hold_the_model():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plant, sets, culprit", [
-    ("layers.1.ffn:3@bf16", ("PRESET_MODEL_OVERRIDES=dtype=bf16",), "fp32"),
-    ("layers.2.ffn.shared_experts.w2:3:backward@tp>1",
-     ("V4_NUM_GPUS_PER_NODE=2", "PRESET_TP=2", "PRESET_EP=1"), "layout_1"),
-], ids=["bf16", "tp2"])          # the FP8 rung: test_rungs_run_as_ray_jobs_under_the_ray_executor
-def test_the_ladder_names_the_switch(work, plant, sets, culprit):
-    run = planted_run(work, plant, *sets)
+def test_the_ladder_names_fp32_for_a_bf16_fault(captured):
+    work, run = captured
     r, report = bisect(work, run)
     assert r.returncode == 0, r.stderr[-3000:]
-    check_report(run, report, plant, culprit)
+    check_report(run, report, BF16_FAULT, "fp32")
+
+
+@pytest.mark.slow
+def test_the_ladder_names_layout_1_for_a_fault_under_tp2(work):
+    plant = "layers.2.ffn.shared_experts.w2:3:backward@tp>1"
+    run = planted_run(work, plant, "V4_NUM_GPUS_PER_NODE=2", "PRESET_TP=2", "PRESET_EP=1")
+    r, report = bisect(work, run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check_report(run, report, plant, "layout_1")
 
 
 def check_report(run: Path, report: dict, plant: str, culprit: str) -> None:
@@ -215,16 +219,24 @@ def test_two_faults_need_two_switches_together(work):
     assert rungs["without_sample"] is True and rungs["without_fp8_off"] is False and rungs["without_fp32"] is False
 
 
+BF16_FAULT = "layers.1.ffn:3@bf16"
+
+
 @pytest.fixture(scope="module")
-def captured(tmp_path_factory):
-    """A bf16 fault at step 3 in a work directory of its own (its data file is edited here): the run directory.
-    Its metrics.jsonl is the SFT loop's own, and every line of it a row of the schema `v4 runs compare` reads."""
+def captured(work):
+    """A bf16 fault at step 3: the work directory and the run directory, shared by the tests below (each puts back
+    what it edits: the capture, the data file, a checkpoint shard). Its metrics.jsonl is the SFT loop's own, and
+    every line of it a row of the schema `v4 runs compare` reads."""
     from launcher import metrics
-    work = tmp_path_factory.mktemp("nancap")
-    run = planted_run(work, "layers.1.ffn:3@bf16", "PRESET_MODEL_OVERRIDES=dtype=bf16")
+    run = planted_run(work, BF16_FAULT, "PRESET_MODEL_OVERRIDES=dtype=bf16")
     got = metrics.read(run)
     assert not got.bad and got.steps == [1, 2] and set(got.rows[0]) <= set(metrics.MetricsRow.model_fields)
     return work, run
+
+
+def _reports(run: Path, pattern: str = "*") -> dict[str, bytes]:
+    """The files matching `pattern` an earlier bisect of `run` left (none where there was none), with their bytes."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in (run / "nan-bisect").rglob(pattern) if p.is_file()}
 
 
 @pytest.mark.slow
@@ -232,6 +244,7 @@ def test_a_capture_that_is_not_one_is_a_usage_error(captured):
     work, run = captured
     cap = run / "steps/train/nan_capture.json"
     good = cap.read_bytes()
+    before = _reports(run)
     try:
         for text, says in ((good[:100], "is not a JSON capture ("),
                            (b"\xff" + good, "is not a JSON capture ('utf-8' codec can't decode byte 0xff"),
@@ -245,7 +258,7 @@ def test_a_capture_that_is_not_one_is_a_usage_error(captured):
             r, report = bisect(work, run)
             assert r.returncode == 2 and report is None and "Traceback" not in r.stderr, r.stderr
             assert f"error: {cap} {says}" in r.stderr, r.stderr
-            assert not (run / "nan-bisect").exists()                  # refused before any rung
+            assert _reports(run) == before                           # refused before any rung
     finally:
         cap.write_bytes(good)
 
@@ -255,6 +268,7 @@ def test_changed_data_is_refused_unless_allowed_and_then_reported(captured):
     work, run = captured
     data = Path(json.loads((run / "config.json").read_text())["values"]["V4_SFT_DATA"])
     good = data.read_text()
+    before = _reports(run, "report.*")
     try:
         data.write_text(good.replace('"content": "What', '"content": "So what'))      # every row of step 3
         r, report = bisect(work, run)
@@ -263,7 +277,7 @@ def test_changed_data_is_refused_unless_allowed_and_then_reported(captured):
         assert ("error: 8 of step 3's 8 rows, rows 0-7 (by data-parallel rank, rank 0: 0-7), are not the rows the "
                 f"run trained on (their hashes differ from the capture's): {data} changed since the run") in r.stderr
         assert "--allow-changed-data" in r.stderr
-        assert not (run / "nan-bisect/report.md").exists()
+        assert _reports(run, "report.*") == before         # the reproduce rung ran; the earlier report stays
         r = v4(work, "nan", "bisect", run.name, "--json", "--allow-changed-data")
         report = json.loads(r.stdout)
         assert r.returncode == 0 and report["culprit"] == ["fp32"] and report["allowed_changed_data"], r.stderr
