@@ -19,12 +19,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import torch
 
 from dsv4.encoding import EOS, ChatEncoder
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where a tensor is made: jobs.verify_template reads rows with read_jsonl and needs none (3.6 s)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -53,7 +56,9 @@ class DataStats:
     truncated: int = 0  # conversations cut at seq_len + 1 (padding mode)
 
 
-class SFTDataset(torch.utils.data.Dataset):
+class SFTDataset:
+    """A map-style dataset (its length and rows by index, as torch's Subset and DataLoader take)."""
+
     def __init__(self, path: str | Path, tokenizer, seq_len: int, *, encoder: ChatEncoder | None = None,
                  thinking_mode: str = "chat", drop_thinking: bool = False, pack: bool = True):
         if seq_len < 1:
@@ -71,6 +76,7 @@ class SFTDataset(torch.utils.data.Dataset):
         self.stats.rows = len(docs)
         self.stats.tokens = sum(len(ids) for ids, _ in docs)
         tokens, masks = self._pack(docs) if pack else self._pad(docs)
+        import torch
         keep = masks.sum(1) > 0
         self.stats.dropped_no_loss = int((~keep).sum())
         self.tokens, self.loss_mask = torch.from_numpy(tokens[keep]), torch.from_numpy(masks[keep])
@@ -107,6 +113,7 @@ class SFTDataset(torch.utils.data.Dataset):
 def train_val_split(dataset, val_fraction: float, seed: int) -> tuple[torch.utils.data.Subset, torch.utils.data.Subset]:
     """A seeded random split; the validation part gets round(n * val_fraction) rows, at least one
     when val_fraction > 0 and at most n - 1, so neither side is empty by accident."""
+    import torch
     n = len(dataset)
     n_val = 0 if val_fraction <= 0 else min(max(1, round(n * val_fraction)), n - 1)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -122,6 +129,7 @@ def batches(dataset, batch_size: int, seed: int, rank: int = 0, world: int = 1,
     never share a row within a step and every rank computes the same schedule alone. `start`
     skips that many steps, for resuming at the same place after a restart.
     """
+    import torch
     n = len(dataset)
     if n == 0 or batch_size < 1 or not 0 <= rank < world:
         raise ValueError(f"batches: need a non-empty dataset, batch_size >= 1 and 0 <= rank < world "
