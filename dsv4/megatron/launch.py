@@ -32,6 +32,7 @@ that died would otherwise hang the job.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import sys
@@ -57,19 +58,22 @@ def free_port() -> int:
 
 
 def host_store(world: int, port: int = 0, host: str = "127.0.0.1"):
-    """A job's rendezvous store served from this process (port 0: the OS picks one): on loopback for the loopback
-    `host`, else on every interface (IPv6 ones for an IPv6 `host`). `.port` is where ranks join. A port that is
-    taken (a V4_DIST_PORT in use) raises RuntimeError."""
-    ip = host if host in ("127.0.0.1", "::1") else "::" if ":" in host else "0.0.0.0"
+    """A job's rendezvous store served from this process for ranks that reach it at `host` (port 0: the OS picks
+    one; `listen_socket` says where it listens). `.port` is where ranks join. A port that is taken (a V4_DIST_PORT
+    in use) raises RuntimeError."""
     try:
-        sock = listen_socket(ip, port, world)
+        sock = listen_socket(host, port, world)
     except OSError as e:
         raise RuntimeError(f"cannot serve the rendezvous store on port {port}: {e.strerror}") from None
     return served_store(sock, world)
 
 
-def listen_socket(ip: str, port: int = 0, world: int = 1):
-    """A TCP socket listening on ip:port now (port 0: the OS's pick, `.getsockname()[1]`)."""
+def listen_socket(host: str, port: int = 0, world: int = 1):
+    """A TCP socket listening now on port (0: the OS's pick, `.getsockname()[1]`) for peers that reach it at `host`:
+    on loopback for a loopback `host`, so that nothing another host can reach is opened (a store has no
+    authentication), else on every interface (IPv6 ones for an IPv6 `host`), as torch's own server."""
+    local = loopback_address(host)
+    ip = local if local is not None else "::" if ":" in host else "0.0.0.0"
     sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -79,6 +83,18 @@ def listen_socket(ip: str, port: int = 0, world: int = 1):
         sock.close()
         raise
     return sock
+
+
+def loopback_address(host: str) -> str | None:
+    """The loopback IP `host` names (127.0.0.1, ::1, localhost), or None for any other host."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    ips = [i[4][0].split("%")[0] for i in infos]
+    if not ips or not all(ipaddress.ip_address(ip).is_loopback for ip in ips):
+        return None
+    return ips[0]
 
 
 def served_store(sock, world: int, timeout_s: float = 1800.0):

@@ -275,7 +275,7 @@ def bench_sync(engine: EmbeddedEngine, paths: list[str], say=print) -> list[Sync
     if "distributed" in paths:
         # NCCL needs the sender on another GPU than the engine; with one GPU the bytes go through gloo
         backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
-        listener = sync.listen("127.0.0.1", 0, 2)
+        listener = sync.listen_socket("127.0.0.1", 0, 2)
         port = listener.getsockname()[1]
         src = [t.to("cuda:1" if backend == "nccl" else "cpu") for _, t in named]
 

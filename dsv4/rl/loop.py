@@ -316,7 +316,7 @@ def _broadcast(engine, parts, version: str, address: str) -> None:
         return th
 
     world = 1 + getattr(engine, "n_ranks", 1)          # the trainer, then every GPU of every server
-    listener = sync.listen(address, 0, world)
+    listener = sync.listen_socket(address, 0, world)
     port = listener.getsockname()[1]
     th = call(engine.init_weights_update_group, address, port, 1, world, group_name="v4-sync", backend=backend)
     group = sync.weight_group(address, port, 0, world, backend, "v4-sync", listener=listener)

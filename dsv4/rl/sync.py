@@ -14,14 +14,13 @@ NCCL_SOCKET_IFNAME, which this module does not set.
 """
 from __future__ import annotations
 
-import ipaddress
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from dsv4.megatron.launch import listen_socket, served_store
+from dsv4.megatron.launch import listen_socket, loopback_address, served_store
 from dsv4.rl.api import WEIGHT_DTYPES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
@@ -38,7 +37,8 @@ def weight_group(master_address: str, master_port: int, rank: int, world_size: i
                  group_name: str = "weight_update_group", timeout_s: float = 300.0,
                  listener: socket.socket | None = None):
     """Join (rank > 0) or host (rank 0) a process group of `world_size` ranks outside the default group.
-    listener: rank 0's socket from `listen`, bound before its port was told to the other members."""
+    listener: rank 0's socket from `listen_socket(master_address)`, bound before its port was told to the other
+    members, so that nothing took the port in between (dsv4/megatron/launch.py)."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: gloo (CPU tensors) or nccl (CUDA tensors)")
     if not 0 <= rank < world_size:
@@ -46,7 +46,7 @@ def weight_group(master_address: str, master_port: int, rank: int, world_size: i
     timeout = timedelta(seconds=timeout_s)
     local = loopback_address(master_address)
     if rank == 0:
-        store = served_store(listener or listen(master_address, int(master_port), world_size), world_size,
+        store = served_store(listener or listen_socket(master_address, int(master_port), world_size), world_size,
                              timeout_s)
     else:
         store = dist.TCPStore(master_address, int(master_port), world_size, is_master=False, timeout=timeout)
@@ -60,28 +60,6 @@ def weight_group(master_address: str, master_port: int, rank: int, world_size: i
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-
-
-def loopback_address(host: str) -> str | None:
-    """The loopback IP `host` names (127.0.0.1, ::1, localhost), or None for any other host."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return None
-    ips = [i[4][0].split("%")[0] for i in infos]
-    if not ips or not all(ipaddress.ip_address(ip).is_loopback for ip in ips):
-        return None
-    return ips[0]
-
-
-def listen(master_address: str, port: int = 0, world_size: int = 1) -> socket.socket:
-    """Rank 0's listening socket for the group's store (port 0: the OS picks; `.getsockname()[1]` says which): on
-    loopback for a loopback address, on every interface otherwise, as torch's own server. Bound before the port is
-    told to anyone, so nothing takes it in between, as an outgoing connection may take a port found free and let go
-    (dsv4/megatron/launch.py)."""
-    local = loopback_address(master_address)
-    return listen_socket(local if local is not None else ("::" if ":" in master_address else "0.0.0.0"), port,
-                         world_size)
 
 
 def broadcast(group, tensor: torch.Tensor, src: int = 0) -> None:
